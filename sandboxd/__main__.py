@@ -1,0 +1,3 @@
+from sandboxd.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""One typed configuration, loaded from YAML, then SANDBOXD_* variables, then flags.
+
+Precedence (last wins): defaults < YAML file < environment < command-line flags.
+A key in a section is named ``SANDBOXD_<SECTION>_<KEY>`` in the environment,
+e.g. ``SANDBOXD_POOL_MAX_PER_USER=8``. Unknown keys and bad values stop
+start-up with the key's name. Every key is documented in docs/config.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sandboxd.errors import ConfigError
+
+SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUNNER_IMAGE = "sandboxd/node:0.1.0"  # tests check this matches images/node/VERSION
+
+# Integration variables pi-bridge may pass per call (TOOLS.md, "Available Environment Variables").
+DEFAULT_ALLOWED_ENV = [
+    "OFFICER_RESOURCES",
+    "PI_SEARXNG_URL",
+    "OFFICER_APIFY_TOKEN",
+    "OFFICER_BROWSER_RELAY_PORT",
+    "OFFICER_BROWSER_RELAY_TOKEN",
+]
+
+
+def default_socket_path() -> Path:
+    """PROTOCOL.md's default when we may create /run/sandboxd, else a per-user runtime dir."""
+    if os.geteuid() == 0:
+        return Path("/run/sandboxd/sandboxd.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "sandboxd" / "sandboxd.sock"
+    return Path(f"/tmp/sandboxd-{os.geteuid()}/sandboxd.sock")
+
+
+def default_data_path() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sandboxd"
+
+
+def default_seed_tools() -> Path | None:
+    seed = REPO_ROOT / "seed" / "tools"
+    return seed if seed.is_dir() else None
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CallsConfig(_Section):
+    default_timeout_ms: int = Field(30_000, gt=0, description="Deadline of a call that names none.")
+    max_timeout_ms: int = Field(600_000, gt=0, description="Cap on a call's timeoutMs.")
+    cancel_grace_ms: int = Field(2_000, ge=0, description="How long a cancelled tool may take to settle before its sandbox is killed.")
+    max_result_bytes: int = Field(1 << 20, ge=1024, description="A result larger than this is cut, with a note saying so.")
+    allowed_env: list[str] = Field(default_factory=lambda: list(DEFAULT_ALLOWED_ENV), description="Env names a call may set.")
+
+
+class PoolConfig(_Section):
+    max_per_user: int = Field(4, ge=1, description="Sandboxes one user may hold at once.")
+    max_total: int = Field(32, ge=1, description="Sandboxes the daemon may hold at once.")
+    min_idle: int = Field(1, ge=0, description="Warm sandboxes kept for a user after their first call.")
+    idle_ttl_s: float = Field(300.0, gt=0, description="A user idle this long loses their warm sandboxes.")
+    max_calls_per_sandbox: int = Field(500, ge=1, description="A sandbox is recycled after this many calls.")
+    acquire_timeout_ms: int = Field(10_000, gt=0, description="How long a call may queue for a sandbox (then -32001).")
+    start_timeout_ms: int = Field(30_000, gt=0, description="How long a sandbox may take to start and say ready.")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="How long calls in flight may finish at shutdown.")
+
+
+class SandboxConfig(_Section):
+    image: str = Field(RUNNER_IMAGE, description="Runner image (make image builds it).")
+    network: str = Field("bridge", description="Docker network mode: bridge, none, host or a network name.")
+    memory: str = Field("256m", description="Memory limit (docker syntax); swap is disabled.")
+    cpus: float = Field(1.0, gt=0, description="CPU limit in cores.")
+    pids_limit: int = Field(128, ge=8, description="Most processes and threads a sandbox may have.")
+    tmp_size: str = Field("64m", description="Size of the tmpfs on /tmp.")
+    read_only_root: bool = Field(True, description="Mount the image's filesystem read-only.")
+    user: str = Field("auto", description="uid:gid the tool runs as; auto = the daemon's, or 1000:1000 when root.")
+    runtime: str | None = Field(None, description="OCI runtime, e.g. runsc for gVisor.")
+    cap_add: list[str] = Field(default_factory=list, description="Capabilities given back after dropping ALL.")
+    no_new_privileges: bool = Field(True, description="Forbid gaining privileges through setuid binaries.")
+    init: bool = Field(True, description="Run an init process as PID 1 that reaps zombies.")
+    email_db: str = Field("{data_path}/{user}/emails.db", description="Host path of the user's email database.")
+    docker_host: str | None = Field(None, description="Docker engine URL; default DOCKER_HOST or the local socket.")
+
+
+class Config(_Section):
+    data_path: Path = Field(default_factory=default_data_path, description="Root of tools and user data.")
+    seed_tools: Path | None = Field(default_factory=default_seed_tools, description="Seed tools synced into DATA_PATH/tools at start.")
+    socket: Path = Field(default_factory=default_socket_path, description="Unix socket the daemon listens on.")
+    socket_mode: int = Field(0o660, description="File mode of the socket (octal in YAML: '0660').")
+    socket_group: str | None = Field(None, description="Group that owns the socket.")
+    backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend.")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
+    log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
+    calls: CallsConfig = Field(default_factory=CallsConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return int(value, 8)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an octal file mode like '0660'") from None
+        return value
+
+    @field_validator("data_path", "socket", "seed_tools", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        return value.expanduser().absolute() if value is not None else None
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """SANDBOXD_<KEY> and SANDBOXD_<SECTION>_<KEY> → a nested dict; unknown names are errors."""
+    names: dict[str, tuple[str, ...]] = {}
+    for key, field in Config.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, _Section):
+            for sub in annotation.model_fields:
+                names[f"SANDBOXD_{key}_{sub}".upper()] = (key, sub)
+        else:
+            names[f"SANDBOXD_{key}".upper()] = (key,)
+    out: dict[str, Any] = {}
+    for env_name, raw in environ.items():
+        if not env_name.startswith("SANDBOXD_"):
+            continue
+        path = names.get(env_name)
+        if path is None:
+            # SANDBOXD_CONFIG names the file itself; everything else must be a key.
+            if env_name == "SANDBOXD_CONFIG":
+                continue
+            raise ConfigError(f"{env_name} is not a configuration key; see docs/config.md for the names.")
+        # YAML parsing gives lists, numbers and booleans their natural spelling.
+        value = yaml.safe_load(raw) if raw.strip() else None
+        target = out
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key (see docs/config.md for the keys)")
+        else:
+            lines.append(f"{key}: {item['msg']}")
+    return f"invalid configuration ({source}): " + "; ".join(lines)
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the Config. ``path`` None means $SANDBOXD_CONFIG, then /etc/sandboxd/config.yaml if present."""
+    environ = os.environ if environ is None else environ
+    if path is None and environ.get("SANDBOXD_CONFIG"):
+        path = Path(environ["SANDBOXD_CONFIG"])
+    if path is None and SYSTEM_CONFIG.is_file():
+        path = SYSTEM_CONFIG
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass an existing file to --config.") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(loaded).__name__}.")
+        data = loaded
+    data = _merge(data, _env_overrides(environ))
+    if overrides:
+        data = _merge(data, {k: v for k, v in overrides.items() if v is not None})
+        source += " + flags"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, env name, default, description) for every key: docs/config.md is checked against it."""
+    rows = []
+    for key, field in model.model_fields.items():
+        annotation = field.annotation
+        dotted = f"{prefix}{key}"
+        if isinstance(annotation, type) and issubclass(annotation, _Section):
+            rows.extend(iter_keys(annotation, f"{dotted}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        env = "SANDBOXD_" + dotted.replace(".", "_").upper()
+        rows.append((dotted, env, default, field.description or ""))
+    return rows

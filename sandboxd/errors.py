@@ -1,0 +1,57 @@
+"""The daemon's error tree.
+
+Everything that can go wrong below the server is one of these; the server maps
+them to JSON-RPC codes at the edge (``code``), so no other layer knows about
+the wire protocol. ``message`` is one sentence a person can act on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SandboxdError(Exception):
+    code = -32603  # internal error
+
+    def __init__(self, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data
+
+
+class ConfigError(SandboxdError):
+    """The configuration cannot be used; start-up stops."""
+
+
+class InvalidParams(SandboxdError):
+    """Bad params: unknown tool, arguments that fail the schema, bad user, forbidden env."""
+
+    code = -32602
+
+
+class Overloaded(SandboxdError):
+    """No sandbox could be had within the queue deadline."""
+
+    code = -32001
+
+
+class BackendUnavailable(SandboxdError):
+    """The sandbox backend (Docker) cannot be reached or refused to start a sandbox."""
+
+    code = -32002
+
+
+class SandboxFailed(SandboxdError):
+    """A sandbox died or broke the shim protocol; the call is answered as ``crashed``."""
+
+    def __init__(self, message: str, data: Any = None, *, exit_code: int | None = None,
+                 oom_killed: bool = False) -> None:
+        super().__init__(message, data)
+        self.exit_code = exit_code
+        self.oom_killed = oom_killed
+
+
+class ShuttingDown(SandboxdError):
+    """The daemon is stopping and takes no new calls."""
+
+    code = -32002

@@ -1,0 +1,35 @@
+"""Users are email addresses; each owns DATA_PATH/<user>/ and its sandboxes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from sandboxd.errors import InvalidParams
+
+_USER_RE = re.compile(r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+$")
+MAX_USER_LENGTH = 254
+
+
+def check_user(user: object) -> str:
+    """Return ``user`` if it is a well-formed user name, else raise InvalidParams."""
+    if not isinstance(user, str) or not user:
+        raise InvalidParams("'user' is required: pass the user's email address, e.g. \"alice@example.com\".")
+    if len(user) > MAX_USER_LENGTH:
+        raise InvalidParams(f"'user' is {len(user)} characters long; an email address has at most {MAX_USER_LENGTH}.")
+    # ".." is refused before the pattern so that no user name can climb out of DATA_PATH.
+    if ".." in user or not _USER_RE.match(user):
+        raise InvalidParams(f"'user' {user!r} is not an email address like \"alice@example.com\".")
+    return user
+
+
+def user_dir(data_path: Path, user: str) -> Path:
+    return data_path / check_user(user)
+
+
+def user_tools_dir(data_path: Path, user: str) -> Path:
+    return user_dir(data_path, user) / "tools"
+
+
+def global_tools_dir(data_path: Path) -> Path:
+    return data_path / "tools"

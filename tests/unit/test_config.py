@@ -1,0 +1,75 @@
+"""Config: YAML, SANDBOXD_* variables and flags, in that order; bad keys stop start-up by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandboxd.config import RUNNER_IMAGE, Config, iter_keys, load_config
+from sandboxd.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_need_no_file() -> None:
+    config = load_config(environ={})
+    assert config.backend == "docker"
+    assert config.sandbox.read_only_root and config.sandbox.no_new_privileges
+    assert config.socket_mode == 0o660
+
+
+def test_yaml_then_env_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("socket_mode: '0600'\npool:\n  max_per_user: 2\n  min_idle: 3\nsandbox:\n  network: none\n")
+    config = load_config(path, environ={"SANDBOXD_POOL_MIN_IDLE": "5", "SANDBOXD_CALLS_ALLOWED_ENV": "[A, B]"},
+                         overrides={"data_path": tmp_path / "d", "socket": None})
+    assert config.pool.max_per_user == 2 and config.pool.min_idle == 5
+    assert config.calls.allowed_env == ["A", "B"]
+    assert config.sandbox.network == "none"
+    assert config.socket_mode == 0o600
+    assert config.data_path == tmp_path / "d"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("pool:\n  max_per_usr: 2\n", "pool.max_per_usr: unknown key"),
+        ("pool:\n  max_per_user: 0\n", "pool.max_per_user"),
+        ("bogus: 1\n", "bogus: unknown key"),
+        ("sandbox:\n  cpus: lots\n", "sandbox.cpus"),
+        ("socket_mode: '0999'\n", "socket_mode"),
+        ("pool: [1, 2\n", "not valid YAML at line"),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
+def test_bad_files_name_the_key(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert fragment in info.value.message
+
+
+def test_unknown_env_variable_is_an_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={"SANDBOXD_POOL_MAX_PER_USR": "3"})
+    assert "SANDBOXD_POOL_MAX_PER_USR" in info.value.message
+
+
+def test_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.yaml", environ={})
+    assert "does not exist" in info.value.message
+
+
+def test_every_key_is_documented() -> None:
+    doc = (REPO / "docs" / "config.md").read_text()
+    for key, env, _default, description in iter_keys(Config):
+        assert f"`{key}`" in doc and f"`{env}`" in doc, key
+        assert description, f"{key} has no description"
+
+
+def test_default_image_matches_the_image_version() -> None:
+    version = (REPO / "images" / "node" / "VERSION").read_text().strip()
+    assert RUNNER_IMAGE == f"sandboxd/node:{version}"
