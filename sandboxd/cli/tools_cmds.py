@@ -1,0 +1,216 @@
+"""`sandboxd tools list|show`, `sandboxd sync` and `sandboxd validate`: tools without a daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from sandboxd.cli.main import fail
+from sandboxd.config import Config
+from sandboxd.errors import InvalidParams
+from sandboxd.tools.discovery import (
+    ENTRY_FILES,
+    Skipped,
+    Tool,
+    ToolCatalog,
+    inspect_tool_dir,
+    shadow_problem,
+    tool_dirs,
+)
+from sandboxd.tools.manifest import MANIFEST_FILE, Problem, parse_manifest
+from sandboxd.tools.sync import sync_tools
+from sandboxd.users import check_user, global_tools_dir, user_tools_dir
+
+EXIT_OK, EXIT_FAILURE = 0, 1
+
+
+def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
+    # The common flags go on the leaf commands only: argparse lets a subcommand's defaults
+    # overwrite flags given to its parent command ("tools --data-path D list" would lose D).
+    tools = subparsers.add_parser("tools", help="list and inspect tools", description="List and inspect tools.")
+    tools_commands = tools.add_subparsers(dest="tools_command", metavar="COMMAND", required=True)
+
+    listing = tools_commands.add_parser(
+        "list", parents=[parent], help="list the tools a user can call",
+        description="List the global tools, and with --user the user's own (which override global ones).")
+    listing.add_argument("--user", type=_user, metavar="U", help="include this user's tools (an email address)")
+    listing.add_argument("--all", action="store_true", help="also list directories that are skipped, and why")
+    listing.add_argument("--json", action="store_true", help="print the tools/list result of PROTOCOL.md")
+    listing.set_defaults(handler=list_tools)
+
+    show = tools_commands.add_parser(
+        "show", parents=[parent], help="show one tool's schema and documentation",
+        description="Show a tool's metadata, inputSchema and documentation.")
+    show.add_argument("name", metavar="NAME", help="the tool's name")
+    show.add_argument("--user", type=_user, metavar="U", help="look among this user's tools too")
+    show.add_argument("--json", action="store_true", help="print the tool as a tools/list Tool object")
+    show.set_defaults(handler=show_tool)
+
+    sync = subparsers.add_parser(
+        "sync", parents=[parent], help="install or update the seed tools in DATA_PATH/tools",
+        description="Copy each seed tool into DATA_PATH/tools when its version is higher than the installed one.")
+    sync.add_argument("--seed-tools", dest="seed_tools", type=Path, default=None, metavar="DIR",
+                      help="directory of seed tools (default: the config's seed_tools)")
+    sync.set_defaults(handler=sync_command)
+
+    validate = subparsers.add_parser(
+        "validate", parents=[parent], help="check tools for problems",
+        description="Check tool directories, TOOL.md files or directories of tools; exit 1 on any error.")
+    validate.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                          help="a tool directory, a TOOL.md, or a directory of tools")
+    validate.add_argument("--json", action="store_true", help='print {"problems": [...]}')
+    validate.set_defaults(handler=validate_command)
+
+
+def _user(text: str) -> str:
+    try:
+        return check_user(text)
+    except InvalidParams as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+# --- tools list / show -------------------------------------------------------------------------
+
+
+def list_tools(args: argparse.Namespace, config: Config) -> int:
+    tools, skipped = ToolCatalog(config.data_path).scan(args.user)
+    if args.json:
+        result: dict[str, Any] = {"tools": [tool.to_protocol() for tool in tools]}
+        if args.all:
+            result["skipped"] = [_skipped_dict(entry) for entry in skipped]
+        _print_json(result)
+        return EXIT_OK
+    if tools:
+        _print_table(tools)
+    else:
+        print(f"no tools in {_roots(config, args.user)}; `sandboxd sync` installs the seed tools")
+    if args.all:
+        for entry in skipped:
+            print(f"\nskipped {entry.dir} ({entry.source}):")
+            for problem in entry.problems:
+                print(f"  {problem}")
+    return EXIT_OK
+
+
+def _roots(config: Config, user: str | None) -> str:
+    roots = [global_tools_dir(config.data_path)]
+    if user is not None:
+        roots.append(user_tools_dir(config.data_path, user))
+    return " or ".join(str(root) for root in roots)
+
+
+def _print_table(tools: list[Tool]) -> None:
+    rows = [("NAME", "VERSION", "SOURCE", "DESCRIPTION")]
+    rows += [(t.name, str(t.manifest.version), t.source, t.manifest.description.splitlines()[0]) for t in tools]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+
+
+def _skipped_dict(entry: Skipped) -> dict[str, Any]:
+    return {"dir": str(entry.dir), "source": entry.source, "problems": [p.to_dict() for p in entry.problems]}
+
+
+def show_tool(args: argparse.Namespace, config: Config) -> int:
+    tools, skipped = ToolCatalog(config.data_path).scan(args.user)
+    tool = next((t for t in tools if t.name == args.name), None)
+    if tool is None:
+        message = f"unknown tool {args.name}; `sandboxd tools list` shows the tools"
+        broken = next((entry for entry in skipped if entry.dir.name == args.name), None)
+        if broken is not None and broken.problems:
+            message += f" (the directory {broken.dir} is skipped: {broken.problems[0]})"
+        return fail(message)
+    if args.json:
+        _print_json(tool.to_protocol())
+        return EXIT_OK
+    manifest = tool.manifest
+    print(f"{manifest.name} — {manifest.label}")
+    print(f"version:     {manifest.version}")
+    print(f"source:      {tool.source}")
+    print(f"language:    {manifest.language}")
+    print(f"path:        {tool.dir}")
+    print(f"entry:       {tool.entry.name}")
+    print(f"description: {manifest.description}")
+    print("\ninputSchema:")
+    print(json.dumps(tool.schema, indent=2, ensure_ascii=False))
+    print("\ndocumentation:")
+    print(manifest.body)
+    return EXIT_OK
+
+
+# --- sync --------------------------------------------------------------------------------------
+
+
+def sync_command(args: argparse.Namespace, config: Config) -> int:
+    seed = config.seed_tools
+    if seed is None:
+        return fail("no seed tools directory is configured; pass --seed-tools DIR or set seed_tools in the config")
+    if not seed.is_dir():
+        return fail(f"seed tools directory {seed} does not exist; pass an existing directory to --seed-tools")
+    for action in sync_tools(seed, global_tools_dir(config.data_path)):
+        print(action)
+    return EXIT_OK
+
+
+# --- validate ----------------------------------------------------------------------------------
+
+
+def validate_command(args: argparse.Namespace, config: Config) -> int:
+    problems = validate_paths(args.paths)
+    errors = sum(p.is_error for p in problems)
+    if args.json:
+        _print_json({"problems": [p.to_dict() for p in problems]})
+    else:
+        for problem in problems:
+            print(problem)
+        warnings = len(problems) - errors
+        print(f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}")
+    return EXIT_FAILURE if errors else EXIT_OK
+
+
+def validate_paths(paths: Iterable[Path]) -> list[Problem]:
+    """Every problem of the tools at these paths: tool directories, TOOL.md files or directories of tools."""
+    problems: list[Problem] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            problems.append(Problem(path, "does not exist",
+                                    "pass a tool directory, a TOOL.md file or a directory of tools"))
+        elif path.is_file():
+            problems.extend(parse_manifest(path)[1])
+        elif _is_tool_dir(path):
+            problems.extend(validate_tool_dir(path, root=path.parent)[1])
+        else:
+            problems.extend(_validate_root(path))
+    return problems
+
+
+def validate_tool_dir(tool_dir: Path, root: Path) -> tuple[Tool | None, list[Problem]]:
+    """One tool directory's problems (the place to add checks of the entry file's code)."""
+    return inspect_tool_dir(tool_dir, root, "global")
+
+
+def _validate_root(root: Path) -> list[Problem]:
+    candidates = tool_dirs(root)
+    if not candidates:
+        return [Problem(root, f"holds no {MANIFEST_FILE} and no tool directories",
+                        f"add {MANIFEST_FILE} and index.ts here, or pass a tool directory or a directory of tools")]
+    problems: list[Problem] = []
+    by_name: dict[str, Tool] = {}
+    for tool_dir in candidates:
+        tool, tool_problems = validate_tool_dir(tool_dir, root)
+        problems.extend(tool_problems)
+        if tool is not None:
+            if tool.name in by_name:
+                problems.append(shadow_problem(by_name[tool.name], tool))
+            by_name[tool.name] = tool
+    return problems
+
+
+def _is_tool_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in (MANIFEST_FILE, *ENTRY_FILES))

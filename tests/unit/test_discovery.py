@@ -1,0 +1,311 @@
+"""Discovery: global then user tools, skipped directories, symlink refusal, and the manifest cache."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from sandboxd.errors import InvalidParams
+from sandboxd.tools import discovery
+from sandboxd.tools.discovery import Skipped, Tool, ToolCatalog
+
+USER = "alice@example.com"
+
+
+def write_tool(root: Path, dirname: str, *, name: str | None = None, version: int = 1,
+               description: str = "Does things.", entry: str | None = "index.ts", manifest: str | None = None) -> Path:
+    tool_dir = root / dirname
+    tool_dir.mkdir(parents=True, exist_ok=True)
+    if manifest is None:
+        manifest = (f"---\nname: {name or dirname}\ndescription: {description}\nversion: {version}\n"
+                    "inputs:\n  q:\n    type: string\n    description: Query.\n---\n# Doc\n")
+    (tool_dir / "TOOL.md").write_text(manifest)
+    if entry:
+        (tool_dir / entry).write_text("export async function execute() { return { content: [] }; }\n")
+    return tool_dir
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+def global_root(data: Path) -> Path:
+    return data / "tools"
+
+
+def user_root(data: Path, user: str = USER) -> Path:
+    return data / user / "tools"
+
+
+def names(tools: list[Tool]) -> list[str]:
+    return [tool.name for tool in tools]
+
+
+def skipped_dirs(skipped: list[Skipped]) -> list[str]:
+    return [entry.dir.name for entry in skipped]
+
+
+# --- listing -----------------------------------------------------------------------------------
+
+
+def test_a_missing_data_path_has_no_tools(data: Path) -> None:
+    assert ToolCatalog(data).scan(USER) == ([], [])
+
+
+def test_global_tools_are_listed_by_name(data: Path) -> None:
+    for dirname in ("zeta", "alpha", "mid"):
+        write_tool(global_root(data), dirname)
+    tools = ToolCatalog(data).list()
+    assert names(tools) == ["alpha", "mid", "zeta"]
+    assert {tool.source for tool in tools} == {"global"}
+    assert tools[0].dir == global_root(data) / "alpha" and tools[0].entry == global_root(data) / "alpha/index.ts"
+
+
+def test_user_tools_are_added_and_override_global_ones(data: Path) -> None:
+    write_tool(global_root(data), "shared", version=1)
+    write_tool(global_root(data), "only_global")
+    write_tool(user_root(data), "shared", version=7)
+    write_tool(user_root(data), "mine")
+    catalog = ToolCatalog(data)
+    tools = catalog.list(USER)
+    assert [(t.name, t.source) for t in tools] == [("mine", "user"), ("only_global", "global"), ("shared", "user")]
+    assert catalog.get("shared", USER).manifest.version == 7
+    assert catalog.get("shared").manifest.version == 1  # without a user, only global tools
+    assert catalog.get("mine", "bob@example.com") is None  # one user's tools are not another's
+
+
+def test_get_an_unknown_tool_is_none(data: Path) -> None:
+    write_tool(global_root(data), "hello")
+    assert ToolCatalog(data).get("nope") is None
+
+
+@pytest.mark.parametrize("user", ["not-an-email", "../etc@x", "", "a" * 251 + "@b.c"])
+def test_a_malformed_user_is_invalid_params(data: Path, user: str) -> None:
+    with pytest.raises(InvalidParams):
+        ToolCatalog(data).list(user)
+
+
+def test_to_protocol_is_the_protocol_tool_object(data: Path) -> None:
+    write_tool(global_root(data), "hello")
+    tool = ToolCatalog(data).list()[0]
+    assert tool.to_protocol() == {
+        "name": "hello", "label": "hello", "description": "Does things.", "version": 1, "language": "typescript",
+        "source": "global",
+        "inputSchema": {"type": "object", "properties": {"q": {"type": "string", "description": "Query."}},
+                        "required": ["q"], "additionalProperties": False},
+        "documentation": "# Doc",
+    }
+    assert list(tool.to_protocol()) == ["name", "label", "description", "version", "language", "source",
+                                        "inputSchema", "documentation"]
+
+
+def test_to_protocol_hands_out_copies_of_the_schema(data: Path) -> None:
+    write_tool(global_root(data), "hello")
+    tool = ToolCatalog(data).list()[0]
+    tool.to_protocol()["inputSchema"]["required"].append("oops")
+    assert tool.schema["required"] == ["q"]
+
+
+# --- entry files and skipped directories -------------------------------------------------------
+
+
+def test_index_ts_is_preferred_over_index_js(data: Path) -> None:
+    tool_dir = write_tool(global_root(data), "both")
+    (tool_dir / "index.js").write_text("")
+    write_tool(global_root(data), "js_only", entry="index.js")
+    tools = ToolCatalog(data).list()
+    assert [t.entry.name for t in tools] == ["index.ts", "index.js"]
+
+
+def test_directories_without_manifest_or_entry_are_skipped_with_a_fix(data: Path) -> None:
+    write_tool(global_root(data), "no_entry", entry=None)
+    (global_root(data) / "no_manifest").mkdir()
+    (global_root(data) / "no_manifest" / "index.ts").write_text("")
+    write_tool(global_root(data), "ok")
+    tools, skipped = ToolCatalog(data).scan()
+    assert names(tools) == ["ok"]
+    assert skipped_dirs(skipped) == ["no_entry", "no_manifest"]
+    assert "no entry file (index.ts or index.js)" in skipped[0].problems[0].message
+    assert skipped[1].problems[0].message == "no TOOL.md"
+    assert all(p.fix for entry in skipped for p in entry.problems)
+
+
+def test_a_directory_with_manifest_errors_is_skipped_with_all_of_them(data: Path) -> None:
+    write_tool(global_root(data), "broken", manifest="---\nname: Broken\nversion: '2'\n---\n")
+    tools, skipped = ToolCatalog(data).scan()
+    assert tools == []
+    assert [p.field for p in skipped[0].problems] == ["description", "name", "version"]
+
+
+def test_hidden_directories_and_plain_files_are_ignored_silently(data: Path) -> None:
+    write_tool(global_root(data), ".new-hello-0123abcd")
+    write_tool(global_root(data), ".hidden", entry=None)
+    (global_root(data) / "README.md").write_text("notes")
+    write_tool(global_root(data), "hello")
+    assert ToolCatalog(data).scan() == (ToolCatalog(data).list(), [])
+    assert names(ToolCatalog(data).list()) == ["hello"]
+
+
+def test_the_same_name_twice_in_one_root_the_last_directory_wins(data: Path) -> None:
+    write_tool(global_root(data), "a_first", name="dup", description="First.")
+    write_tool(global_root(data), "b_second", name="dup", description="Second.")
+    tools, skipped = ToolCatalog(data).scan()
+    assert [t.manifest.description for t in tools] == ["Second."]
+    assert skipped_dirs(skipped) == ["a_first"]
+    assert "also declared in b_second/" in skipped[0].problems[0].message
+
+
+def test_a_tools_root_that_is_a_file_is_reported(data: Path) -> None:
+    data.mkdir()
+    global_root(data).write_text("not a directory")
+    tools, skipped = ToolCatalog(data).scan()
+    assert tools == [] and skipped[0].dir == global_root(data)
+
+
+# --- symlinks ----------------------------------------------------------------------------------
+
+
+def test_a_tool_directory_linked_from_outside_the_root_is_refused(data: Path, tmp_path: Path) -> None:
+    elsewhere = write_tool(tmp_path / "elsewhere", "sneaky")
+    global_root(data).mkdir(parents=True)
+    (global_root(data) / "sneaky").symlink_to(elsewhere)
+    tools, skipped = ToolCatalog(data).scan()
+    assert tools == []
+    assert "outside the tools directory" in skipped[0].problems[0].message
+
+
+def test_a_tool_directory_linked_within_the_root_is_used(data: Path) -> None:
+    write_tool(global_root(data), "real", name="aliased")
+    (global_root(data) / "zz_link").symlink_to(global_root(data) / "real")
+    tools, skipped = ToolCatalog(data).scan()
+    assert names(tools) == ["aliased"] and tools[0].dir.name == "zz_link"
+    assert skipped_dirs(skipped) == ["real"]  # the same name twice: reported, not hidden
+
+
+@pytest.mark.parametrize("linked", ["TOOL.md", "index.ts"])
+def test_a_manifest_or_entry_linked_from_outside_the_root_is_refused(data: Path, tmp_path: Path, linked: str) -> None:
+    source = write_tool(tmp_path / "elsewhere", "x")
+    tool_dir = write_tool(global_root(data), "x")
+    (tool_dir / linked).unlink()
+    (tool_dir / linked).symlink_to(source / linked)
+    tools, skipped = ToolCatalog(data).scan()
+    assert tools == []
+    assert any("outside the tools directory" in p.message for p in skipped[0].problems)
+
+
+def test_a_user_tool_linking_to_a_global_tool_is_refused(data: Path) -> None:
+    write_tool(global_root(data), "hello")
+    user_root(data).mkdir(parents=True)
+    (user_root(data) / "hello").symlink_to(global_root(data) / "hello")
+    tools, skipped = ToolCatalog(data).scan(USER)
+    assert [(t.name, t.source) for t in tools] == [("hello", "global")]
+    assert [(s.dir.name, s.source) for s in skipped] == [("hello", "user")]
+
+
+def test_a_broken_manifest_link_is_skipped_not_raised(data: Path) -> None:
+    tool_dir = write_tool(global_root(data), "dangling")
+    (tool_dir / "TOOL.md").unlink()
+    (tool_dir / "TOOL.md").symlink_to(tool_dir / "gone.md")
+    tools, skipped = ToolCatalog(data).scan()
+    assert tools == [] and "does not exist" in skipped[0].problems[-1].message
+
+
+# --- freshness and caching ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def parse_count(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    parsed: list[Path] = []
+    real = discovery.parse_manifest
+
+    def counting(path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
+        parsed.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(discovery, "parse_manifest", counting)
+    return parsed
+
+
+def test_an_unchanged_tree_is_not_parsed_again(data: Path, parse_count: list[Path]) -> None:
+    for dirname in ("a", "b", "c"):
+        write_tool(global_root(data), dirname)
+    write_tool(user_root(data), "mine")
+    catalog = ToolCatalog(data)
+    first = catalog.list(USER)
+    assert len(parse_count) == 4
+    second = catalog.list(USER)
+    assert len(parse_count) == 4
+    assert second == first and second[0].schema is first[0].schema  # the same Tool objects, schema computed once
+
+
+def test_an_edited_tool_is_parsed_again_and_seen(data: Path, parse_count: list[Path]) -> None:
+    write_tool(global_root(data), "a")
+    write_tool(global_root(data), "b")
+    catalog = ToolCatalog(data)
+    catalog.list()
+    write_tool(global_root(data), "b", description="Now does other things.")
+    tools = catalog.list()
+    assert parse_count[2:] == [global_root(data) / "b" / "TOOL.md"]
+    assert tools[1].manifest.description == "Now does other things."
+
+
+def test_an_edit_keeping_size_and_inode_is_seen_by_its_mtime(data: Path, parse_count: list[Path]) -> None:
+    tool_dir = write_tool(global_root(data), "a", version=1)
+    catalog = ToolCatalog(data)
+    catalog.list()
+    manifest = tool_dir / "TOOL.md"
+    inode = manifest.stat().st_ino
+    with manifest.open("r+") as file:  # in place: same inode, same size
+        text = file.read()
+        file.seek(0)
+        file.write(text.replace("version: 1", "version: 2"))
+    info = manifest.stat()
+    os.utime(manifest, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000))
+    assert manifest.stat().st_ino == inode
+    assert catalog.list()[0].manifest.version == 2 and len(parse_count) == 2
+
+
+def test_added_and_removed_tools_are_seen_without_a_restart(data: Path, parse_count: list[Path]) -> None:
+    write_tool(global_root(data), "a")
+    catalog = ToolCatalog(data)
+    assert names(catalog.list()) == ["a"]
+    write_tool(user_root(data), "new")
+    assert names(catalog.list(USER)) == ["a", "new"]
+    (user_root(data) / "new" / "index.ts").unlink()
+    assert names(catalog.list(USER)) == ["a"]
+    assert len(parse_count) == 2  # removing the entry file needs no re-parse
+
+
+def test_a_manifest_that_gets_fixed_comes_back(data: Path) -> None:
+    write_tool(global_root(data), "a", manifest="---\nname: a\n---\n")
+    catalog = ToolCatalog(data)
+    assert catalog.list() == []
+    write_tool(global_root(data), "a")
+    assert names(catalog.list()) == ["a"]
+
+
+def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
+    for index in range(20):
+        write_tool(global_root(data), f"tool_{index:02d}")
+    catalog = ToolCatalog(data)
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(10):
+                results.append(names(catalog.list()))
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert all(result == [f"tool_{i:02d}" for i in range(20)] for result in results) and len(results) == 80

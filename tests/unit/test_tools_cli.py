@@ -1,0 +1,352 @@
+"""`sandboxd tools list|show`, `sandboxd sync`, `sandboxd validate`: run in-process, plus one real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandboxd.cli.main import main
+from sandboxd.cli.tools_cmds import validate_paths
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = REPO / "seed" / "tools"
+USER = "alice@example.com"
+
+HELLO_PROTOCOL = {
+    "name": "hello",
+    "label": "Hello",
+    "description": "Says hello to the user. Use this when the user wants a greeting.",
+    "version": 1,
+    "language": "typescript",
+    "source": "global",
+    "inputSchema": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "description": "Who to greet."}},
+        "required": ["name"],
+        "additionalProperties": False,
+    },
+    "documentation": "# Hello Tool\n\nGreets the user by name.\n\n## Usage\n\n"
+                     "Call with a `name` parameter to get a personalized greeting.",
+}
+
+USER_TOOL_MD = """---
+name: lookup
+label: Lookup
+description: Looks things up.
+version: 3
+inputs:
+  query:
+    type: string
+    description: What to look up.
+  limit:
+    type: number
+    description: Most results.
+    optional: true
+    default: 10
+  token:
+    type: string
+    description: API token.
+    optional: true
+    sensitive: true
+  mode:
+    type: enum
+    values: [fast, thorough]
+    description: How hard to look.
+---
+
+# Lookup
+"""
+
+LOOKUP_PROTOCOL = {
+    "name": "lookup",
+    "label": "Lookup",
+    "description": "Looks things up.",
+    "version": 3,
+    "language": "typescript",
+    "source": "user",
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "description": "What to look up."},
+            "limit": {"type": "number", "description": "Most results.", "default": 10},
+            "token": {"type": "string", "description": "API token.", "writeOnly": True},
+            "mode": {"type": "string", "enum": ["fast", "thorough"], "description": "How hard to look."},
+        },
+        "required": ["query", "mode"],
+        "additionalProperties": False,
+    },
+    "documentation": "# Lookup",
+}
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SANDBOXD_* variable or system config file of this machine leaks into the commands."""
+    for name in list(os.environ):
+        if name.startswith("SANDBOXD_"):
+            monkeypatch.delenv(name)
+    empty = tmp_path / "empty-config.yaml"
+    empty.write_text("")
+    monkeypatch.setenv("SANDBOXD_CONFIG", str(empty))
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A data path with the seed installed and one user tool."""
+    data = tmp_path / "data"
+    assert main(["sync", "--data-path", str(data), "--seed-tools", str(SEED)]) == 0
+    lookup = data / USER / "tools" / "lookup"
+    lookup.mkdir(parents=True)
+    (lookup / "TOOL.md").write_text(USER_TOOL_MD)
+    (lookup / "index.js").write_text("export async function execute() {}\n")
+    return data
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_bad_tool(root: Path) -> Path:
+    bad = root / "bad"
+    bad.mkdir(parents=True)
+    (bad / "TOOL.md").write_text("---\nname: Bad\nversion: '2'\n---\n# Bad\n")
+    (bad / "index.ts").write_text("")
+    return bad
+
+
+# --- tools list --------------------------------------------------------------------------------
+
+
+def test_list_json_is_exactly_the_tools_list_result(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "tools", "list", "--json", "--data-path", str(data), "--user", USER)
+    assert code == 0
+    assert json.loads(out) == {"tools": [HELLO_PROTOCOL, LOOKUP_PROTOCOL]}
+    assert out.startswith('{\n  "tools": [')  # indented by 2
+
+
+def test_list_json_without_user_has_only_global_tools(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "tools", "list", "--json", "--data-path", str(data))
+    assert json.loads(out) == {"tools": [HELLO_PROTOCOL]}
+
+
+def test_list_all_json_adds_the_skipped_directories(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_bad_tool(data / "tools")
+    _, out, _ = run(capsys, "tools", "list", "--json", "--data-path", str(data))
+    assert "skipped" not in json.loads(out)
+    _, out, _ = run(capsys, "tools", "list", "--json", "--all", "--data-path", str(data))
+    result = json.loads(out)
+    assert result["tools"] == [HELLO_PROTOCOL]
+    [skipped] = result["skipped"]
+    assert skipped["dir"] == str(data / "tools" / "bad") and skipped["source"] == "global"
+    assert [p["field"] for p in skipped["problems"]] == ["description", "name", "version"]
+    assert set(skipped["problems"][0]) == {"path", "line", "field", "severity", "message", "fix"}
+
+
+def test_list_prints_a_table(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "tools", "list", "--data-path", str(data), "--user", USER)
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].split() == ["NAME", "VERSION", "SOURCE", "DESCRIPTION"]
+    assert lines[1].split()[:3] == ["hello", "1", "global"] and lines[1].endswith("wants a greeting.")
+    assert lines[2].split() == ["lookup", "3", "user", "Looks", "things", "up."]
+
+
+def test_list_all_prints_why_directories_are_skipped(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_bad_tool(data / "tools")
+    _, out, _ = run(capsys, "tools", "list", "--all", "--data-path", str(data))
+    assert f"skipped {data / 'tools' / 'bad'} (global):" in out
+    assert "version must be an integer" in out and "Fix:" in out
+
+
+def test_list_with_no_tools_says_how_to_get_some(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "tools", "list", "--data-path", str(tmp_path / "empty"))
+    assert code == 0 and "sandboxd sync" in out
+
+
+def test_a_malformed_user_is_a_usage_error(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["tools", "list", "--data-path", str(data), "--user", "not-an-email"])
+    assert exited.value.code == 2
+    assert "not an email address" in capsys.readouterr().err
+
+
+# --- tools show --------------------------------------------------------------------------------
+
+
+def test_show_prints_metadata_schema_and_documentation(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "tools", "show", "lookup", "--data-path", str(data), "--user", USER)
+    assert code == 0
+    assert out.startswith("lookup — Lookup\n")
+    for expected in ("version:     3", "source:      user", f"path:        {data / USER / 'tools' / 'lookup'}",
+                     "entry:       index.js", '"writeOnly": true', "# Lookup"):
+        assert expected in out
+    schema_text = out.split("inputSchema:\n", 1)[1].split("\n\ndocumentation:", 1)[0]
+    assert json.loads(schema_text) == LOOKUP_PROTOCOL["inputSchema"]
+
+
+def test_show_json_is_the_protocol_tool_object(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "tools", "show", "hello", "--json", "--data-path", str(data))
+    assert json.loads(out) == HELLO_PROTOCOL
+
+
+def test_show_an_unknown_tool_fails_and_points_to_list(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "tools", "show", "nope", "--data-path", str(data))
+    assert (code, out) == (1, "")
+    assert err == "sandboxd: unknown tool nope; `sandboxd tools list` shows the tools\n"
+
+
+def test_show_a_user_tool_without_the_user_is_unknown(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = run(capsys, "tools", "show", "lookup", "--data-path", str(data))
+    assert code == 1
+
+
+def test_show_a_skipped_tool_says_why(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_bad_tool(data / "tools")
+    code, _, err = run(capsys, "tools", "show", "bad", "--data-path", str(data))
+    assert code == 1 and "is skipped" in err and "description is required" in err
+
+
+# --- sync --------------------------------------------------------------------------------------
+
+
+def test_sync_prints_one_line_per_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seed = tmp_path / "seed"
+    for name, version in (("alpha", 1), ("beta", 2)):
+        (seed / name).mkdir(parents=True)
+        (seed / name / "TOOL.md").write_text(f"---\nname: {name}\ndescription: D.\nversion: {version}\n---\n")
+    data = ["--data-path", str(tmp_path / "data"), "--seed-tools", str(seed)]
+    assert run(capsys, "sync", *data) == (0, "installed alpha (v1)\ninstalled beta (v2)\n", "")
+    (seed / "alpha" / "TOOL.md").write_text("---\nname: alpha\ndescription: D.\nversion: 2\n---\n")
+    assert run(capsys, "sync", *data) == (0, "updated alpha (v1 → v2)\nkept beta (v2, seed v2)\n", "")
+
+
+def test_sync_uses_the_configured_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDBOXD_SEED_TOOLS", str(SEED))
+    code, out, _ = run(capsys, "sync", "--data-path", str(tmp_path / "data"))
+    assert code == 0 and "installed hello (v1)" in out
+
+
+def test_sync_without_a_seed_directory_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDBOXD_SEED_TOOLS", "")  # configured as none
+    code, _, err = run(capsys, "sync", "--data-path", str(tmp_path / "data"))
+    assert code == 1 and "no seed tools directory is configured; pass --seed-tools DIR" in err
+
+
+def test_sync_with_a_missing_seed_directory_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "sync", "--data-path", str(tmp_path / "data"), "--seed-tools", str(tmp_path / "nope"))
+    assert code == 1 and "does not exist" in err
+    assert not (tmp_path / "data").exists()
+
+
+# --- validate ----------------------------------------------------------------------------------
+
+
+def test_the_shipped_seed_validates_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "validate", str(SEED)) == (0, "0 errors, 0 warnings\n", "")
+    assert run(capsys, "validate", str(SEED / "hello"), str(SEED / "hello" / "TOOL.md"))[0] == 0
+
+
+def test_validate_prints_every_problem_and_fails_on_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = write_bad_tool(tmp_path / "tools")
+    code, out, _ = run(capsys, "validate", str(bad))
+    assert code == 1
+    assert out.splitlines() == [
+        f"{bad}/TOOL.md: description: description is required. "
+        "Fix: add 'description: <what the tool does and when the agent should use it>'",
+        f"{bad}/TOOL.md:2: name: name 'Bad' is not snake_case (lowercase letters, digits and _, starting with a "
+        "letter). Fix: rename it: 'name: bad'",
+        f"{bad}/TOOL.md:3: version: version must be an integer, got \"2\". "
+        "Fix: write a whole number without quotes, e.g. 'version: 2'",
+        "3 errors, 0 warnings",
+    ]
+
+
+def test_validate_passes_with_warnings_but_prints_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tool = tmp_path / "nover"
+    tool.mkdir()
+    (tool / "TOOL.md").write_text("---\nname: nover\ndescription: D.\n---\n# Doc\n")
+    (tool / "index.ts").write_text("")
+    code, out, _ = run(capsys, "validate", str(tool / "TOOL.md"))
+    assert code == 0
+    assert "warning: version: version is missing" in out and out.endswith("0 errors, 1 warning\n")
+
+
+def test_validate_a_root_flags_incomplete_directories_and_shadowed_names(tmp_path: Path) -> None:
+    root = tmp_path / "tools"
+    for dirname in ("a_one", "b_two"):
+        (root / dirname).mkdir(parents=True)
+        (root / dirname / "TOOL.md").write_text("---\nname: same\ndescription: D.\nversion: 1\n---\n# D\n")
+        (root / dirname / "index.ts").write_text("")
+    (root / "no_entry").mkdir()
+    (root / "no_entry" / "TOOL.md").write_text("---\nname: no_entry\ndescription: D.\nversion: 1\n---\n# D\n")
+    (root / "no_manifest").mkdir()
+    (root / "no_manifest" / "index.ts").write_text("")
+    (root / ".hidden").mkdir()
+    problems = validate_paths([root])
+    assert [(p.path.relative_to(root).parts[0], p.severity) for p in problems] == [
+        ("a_one", "error"), ("no_entry", "error"), ("no_manifest", "error")]
+    assert "also declared in b_two/" in problems[0].message
+    assert "no entry file" in problems[1].message and problems[2].message == "no TOOL.md"
+
+
+def test_validate_a_tool_directory_missing_its_manifest(tmp_path: Path) -> None:
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "index.ts").write_text("")
+    [problem] = validate_paths([tmp_path / "tool"])
+    assert problem.message == "no TOOL.md" and "name, description and version" in problem.fix
+
+
+def test_validate_an_empty_directory_or_a_missing_path(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    problems = validate_paths([tmp_path / "empty", tmp_path / "missing"])
+    assert [p.message for p in problems] == ["holds no TOOL.md and no tool directories", "does not exist"]
+
+
+def test_validate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = write_bad_tool(tmp_path / "tools")
+    code, out, _ = run(capsys, "validate", "--json", str(bad))
+    problems = json.loads(out)["problems"]
+    assert code == 1
+    assert [(p["field"], p["line"], p["severity"]) for p in problems] == [
+        ("description", None, "error"), ("name", 2, "error"), ("version", 3, "error")]
+
+
+# --- usage -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["tools", "--help"], ["tools", "list", "--help"], ["tools", "show", "--help"],
+                                  ["sync", "--help"], ["validate", "--help"]])
+def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 0 and "usage: sandboxd" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["tools"], ["tools", "show"], ["validate"], ["tools", "list", "--bogus"]])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+
+
+# --- a real process ----------------------------------------------------------------------------
+
+
+def test_tools_list_json_in_a_real_process(data: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOXD_")}
+    env["SANDBOXD_CONFIG"] = str(tmp_path / "empty-config.yaml")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    completed = subprocess.run(
+        [sys.executable, "-m", "sandboxd", "tools", "list", "--json", "--data-path", str(data), "--user", USER],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == {"tools": [HELLO_PROTOCOL, LOOKUP_PROTOCOL]}
