@@ -1,0 +1,310 @@
+'use strict';
+// sandboxd shim, protocol 1: line-delimited JSON-RPC 2.0 between the sandboxd
+// daemon and the tools of one sandbox. See docs/shim.md.
+//
+// Fds: SANDBOXD_SHIM_FDS="OUT,IN" (the image's entrypoint sets "3,4"), else the
+// protocol is read from fd 0 and written to fd 1 (see io.setupFds).
+
+// Must run before anything touches process.stdout / process.stdin.
+const io = require('./io');
+
+const fdSetup = io.setupFds(process.env);
+delete process.env.SANDBOXD_SHIM_FDS;
+
+if (!fdSetup.isolated || fdSetup.fd1 === 'devnull') require('./children').install();
+if (!fdSetup.isolated) {
+  // fd 0 still carries the protocol: children must not inherit it (children.js),
+  // and a tool touching process.stdin must not start a second reader on it.
+  const { Readable } = require('node:stream');
+  let emptyStdin = null;
+  Object.defineProperty(process, 'stdin', {
+    configurable: true,
+    enumerable: false,
+    get: () => (emptyStdin ||= Readable.from([])),
+  });
+}
+
+const output = require('./output');
+const loader = require('./loader');
+const results = require('./result');
+
+const PROTOCOL = 1;
+const DEFAULT_MAX_RESULT_BYTES = 1024 * 1024;
+const MAX_LINE_BYTES = 64 * 1024 * 1024;
+
+process.setSourceMapsEnabled(true);
+
+/** @type {null | {id:any, key:string, toolCallId:string, ac:AbortController, done:boolean, maxResultBytes:number, savedEnv:Array<[string,string|undefined]>, printed:number}} */
+let current = null;
+let lastToolCallId = null;
+let calls = 0;
+
+const out = output.install(
+  () => (current ? current.toolCallId : lastToolCallId ? `${lastToolCallId} (finished)` : 'shim'),
+  (stream, n) => {
+    if (stream === 'stdout' && current) current.printed += n;
+  },
+);
+const log = out.log;
+
+loader.install({ warn: (m) => out.callLog(m), toolsDirs: process.env.PI_TOOLS_DIRS });
+
+// ---------------------------------------------------------------- protocol out
+
+function writeLine(text) {
+  try {
+    io.writeAll(fdSetup.outFd, Buffer.from(`${text}\n`, 'utf8'));
+  } catch (e) {
+    if (e && (e.code === 'EPIPE' || e.code === 'EBADF')) {
+      log(`protocol output closed (${e.code}); exiting`);
+      process.exit(0);
+    }
+    throw e;
+  }
+}
+
+function send(obj) {
+  writeLine(JSON.stringify(obj));
+}
+
+function reply(id, result) {
+  send({ jsonrpc: '2.0', id, result });
+}
+
+function replyError(id, code, message, data) {
+  const error = { code, message };
+  if (data !== undefined) error.data = data;
+  send({ jsonrpc: '2.0', id: id === undefined ? null : id, error });
+}
+
+// ---------------------------------------------------------------- calls
+
+function applyEnv(call, env) {
+  for (const [k, v] of Object.entries(env)) {
+    call.savedEnv.push([k, Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined]);
+    if (v === null) delete process.env[k];
+    else process.env[k] = String(v);
+  }
+}
+
+function restoreEnv(call) {
+  for (let i = call.savedEnv.length - 1; i >= 0; i -= 1) {
+    const [k, old] = call.savedEnv[i];
+    if (old === undefined) delete process.env[k];
+    else process.env[k] = old;
+  }
+  call.savedEnv = [];
+}
+
+/** Send the call's one and only result; later settles are ignored. */
+function finish(call, result) {
+  if (call.done) return false;
+  call.done = true;
+  if (current === call) current = null;
+  restoreEnv(call);
+  const json = results.encodeResult(result, call.maxResultBytes);
+  writeLine(`{"jsonrpc":"2.0","id":${JSON.stringify(call.id)},"result":${json}}`);
+  return true;
+}
+
+function sendProgress(call, partial) {
+  if (call.done) {
+    out.callLog(`onUpdate after the call finished: ignored`);
+    return;
+  }
+  const content = results.encodeProgressContent(results.progressContent(partial), call.maxResultBytes);
+  writeLine(`{"jsonrpc":"2.0","method":"progress","params":{"id":${JSON.stringify(call.id)},"content":${content}}}`);
+}
+
+function badParams(id, message) {
+  replyError(id, -32602, `invalid params: ${message}`);
+}
+
+async function handleCall(msg) {
+  const { id } = msg;
+  const p = msg.params;
+  if (!p || typeof p !== 'object' || Array.isArray(p)) return badParams(id, 'params must be an object');
+  if (typeof p.entry !== 'string' || p.entry === '') return badParams(id, 'entry must be the absolute path of index.ts or index.js');
+  if (p.toolCallId !== undefined && typeof p.toolCallId !== 'string') return badParams(id, 'toolCallId must be a string');
+  const args = p.arguments === undefined || p.arguments === null ? {} : p.arguments;
+  if (typeof args !== 'object' || Array.isArray(args)) return badParams(id, 'arguments must be an object');
+  const env = p.env === undefined || p.env === null ? {} : p.env;
+  if (typeof env !== 'object' || Array.isArray(env)) return badParams(id, 'env must be an object of strings');
+  for (const [k, v] of Object.entries(env)) {
+    if (k === '' || k.includes('=') || k.includes('\0')) return badParams(id, `env name ${JSON.stringify(k)} is not valid`);
+    if (v !== null && typeof v !== 'string' && typeof v !== 'number' && typeof v !== 'boolean') {
+      return badParams(id, `env value of ${k} must be a string`);
+    }
+  }
+  let maxResultBytes = DEFAULT_MAX_RESULT_BYTES;
+  if (p.maxResultBytes !== undefined && p.maxResultBytes !== null) {
+    if (!Number.isInteger(p.maxResultBytes) || p.maxResultBytes <= 0) return badParams(id, 'maxResultBytes must be a positive integer');
+    maxResultBytes = p.maxResultBytes;
+  }
+  if (current) {
+    return replyError(id, -32000, `busy: call ${JSON.stringify(current.id)} (${current.toolCallId}) is still running; one call at a time`);
+  }
+
+  const toolCallId = p.toolCallId === undefined ? String(id) : p.toolCallId;
+  const call = {
+    id,
+    key: JSON.stringify(id),
+    toolCallId,
+    ac: new AbortController(),
+    done: false,
+    maxResultBytes,
+    savedEnv: [],
+    printed: 0,
+  };
+  current = call;
+  lastToolCallId = toolCallId;
+  calls += 1;
+  applyEnv(call, env);
+
+  let result;
+  try {
+    let loaded;
+    try {
+      loaded = loader.load(p.entry);
+    } catch (e) {
+      throw results.loadFailure(e, p.entry);
+    }
+    const { mod, filename } = loaded;
+    const execute = results.resolveExecute(mod, filename);
+    const onUpdate = (partial) => sendProgress(call, partial);
+    const value = await execute.call(mod, toolCallId, args, call.ac.signal, onUpdate);
+    result = results.fromReturn(value, { printed: call.printed });
+  } catch (e) {
+    if (call.done) {
+      out.callLog(`execute settled after its call was answered: ${results.thrownMessage(e)}`);
+      return undefined;
+    }
+    const text = results.thrownMessage(e);
+    const stack = e && typeof e === 'object' && typeof e.stack === 'string' ? e.stack : text;
+    out.callLog(`execute failed: ${stack}`);
+    result = results.errorResult(text);
+  }
+  if (!finish(call, result)) out.callLog('execute settled after its call was answered (stray error); result dropped');
+  return undefined;
+}
+
+function handleCancel(params) {
+  if (!params || typeof params !== 'object' || !current) return;
+  if (JSON.stringify(params.id) !== current.key) return;
+  const reason = typeof params.reason === 'string' && params.reason !== '' ? params.reason : 'cancelled by sandboxd';
+  out.callLog(`cancel: ${reason}`);
+  if (!current.ac.signal.aborted) current.ac.abort(new DOMException(reason, 'AbortError'));
+}
+
+// A tool's stray async error: logged with the call it happened under and, when
+// a call is running, fails that call (its execute may never settle otherwise).
+// The shim itself keeps going.
+function strayError(err, kind) {
+  const text = results.thrownMessage(err);
+  const stack = err && typeof err === 'object' && typeof err.stack === 'string' ? err.stack : text;
+  out.callLog(`${kind}: ${stack}`);
+  if (current) {
+    const hint = results.isBun(err)
+      ? text
+      : `${text} (an ${kind} in the tool's asynchronous code; catch errors inside execute and return { content: [...], isError: true })`;
+    finish(current, results.errorResult(hint));
+  }
+}
+
+process.on('uncaughtException', (err) => strayError(err, 'uncaught exception'));
+process.on('unhandledRejection', (reason) => strayError(reason, 'unhandled rejection'));
+
+// ---------------------------------------------------------------- dispatch
+
+function hasId(msg) {
+  return Object.prototype.hasOwnProperty.call(msg, 'id');
+}
+
+function validId(id) {
+  return id === null || typeof id === 'string' || (typeof id === 'number' && Number.isFinite(id));
+}
+
+function onLine(line) {
+  let msg;
+  try {
+    msg = JSON.parse(line);
+  } catch (e) {
+    replyError(null, -32700, `parse error: ${e.message}`);
+    return;
+  }
+  if (!msg || typeof msg !== 'object' || Array.isArray(msg) || msg.jsonrpc !== '2.0' || typeof msg.method !== 'string') {
+    const id = msg && typeof msg === 'object' && !Array.isArray(msg) && validId(msg.id) ? msg.id : null;
+    replyError(id, -32600, 'invalid request: expected a JSON-RPC 2.0 object with a method');
+    return;
+  }
+  if (hasId(msg) && !validId(msg.id)) {
+    replyError(null, -32600, 'invalid request: id must be a string, a number or null');
+    return;
+  }
+  const request = hasId(msg);
+  switch (msg.method) {
+    case 'ping':
+      if (request) reply(msg.id, {});
+      return;
+    case 'call':
+      if (!request) {
+        log('call without an id ignored');
+        return;
+      }
+      handleCall(msg).catch((e) => strayError(e, 'shim error'));
+      return;
+    case 'cancel':
+      handleCancel(msg.params);
+      return;
+    case 'shutdown':
+      if (request) reply(msg.id, {});
+      process.exit(0);
+      return;
+    case 'stats':
+      // Debugging aid (not part of protocol 1's contract): loader counters.
+      if (request) reply(msg.id, { ...loader.stats, calls, busy: current !== null });
+      return;
+    default:
+      if (request) replyError(msg.id, -32601, `unknown method: ${msg.method}`);
+      else log(`unknown notification ignored: ${msg.method}`);
+  }
+}
+
+// ---------------------------------------------------------------- start
+
+function start() {
+  if (fdSetup.note) log(fdSetup.note);
+  const splitter = new io.LineSplitter(
+    (line) => {
+      try {
+        onLine(line);
+      } catch (e) {
+        log(`internal error: ${e && e.stack ? e.stack : e}`);
+        replyError(null, -32603, `internal error: ${e && e.message ? e.message : e}`);
+      }
+    },
+    () => replyError(null, -32600, `message longer than ${MAX_LINE_BYTES} bytes skipped`),
+    MAX_LINE_BYTES,
+  );
+  const input = io.openReader(fdSetup.inFd);
+  input.on('data', (chunk) => splitter.push(chunk));
+  input.on('end', () => process.exit(0));
+  input.on('error', (e) => {
+    log(`protocol input failed: ${e.message}; exiting`);
+    process.exit(0);
+  });
+
+  send({ jsonrpc: '2.0', method: 'ready', params: { protocol: PROTOCOL, node: process.version, pid: process.pid } });
+
+  if (process.env.SANDBOXD_SHIM_PREWARM !== '0') {
+    setImmediate(() => {
+      try {
+        loader.prewarm();
+      } catch (e) {
+        log(`esbuild prewarm failed: ${e.message}`);
+      }
+    });
+  }
+}
+
+start();

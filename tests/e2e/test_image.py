@@ -1,0 +1,370 @@
+"""The built runner image (make image), driven over a real docker attach.
+
+Each test starts a container the way the daemon will (hardened flags, fixture
+tools mounted read-only at /officer/tools), attaches before start with logs=0,
+demultiplexes the 8-byte frame headers and speaks shim protocol 1 to it.
+Run with ``-s`` to see the measured round-trip times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import socket
+import statistics
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+pytestmark = pytest.mark.docker
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_DIR = REPO / "images" / "node"
+VERSION = (IMAGE_DIR / "VERSION").read_text().strip()
+IMAGE = f"sandboxd/node:{VERSION}"
+FIXTURES = IMAGE_DIR / "shim" / "test" / "fixtures"
+TEST_LABEL = "org.sandboxd.test"
+TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = docker.from_env(timeout=60)
+    try:
+        c.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        c.close()
+        pytest.skip(f"runner image {IMAGE} is not built: run `make image` first")
+    yield c
+    c.close()
+
+
+class ShimContainer:
+    """One runner container and its attach socket, demultiplexed."""
+
+    def __init__(self, client, tools_dir: Path = FIXTURES, env: dict[str, str] | None = None):
+        self.client = client
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.raw_stdout: list[bytes] = []
+        self.bad_lines: list[bytes] = []
+        self.stderr = bytearray()
+        self.closed = threading.Event()
+        self._next_id = 1
+        self._backlog: list[dict[str, Any]] = []
+        self.container = client.containers.create(
+            IMAGE,
+            stdin_open=True,
+            tty=False,
+            labels={TEST_LABEL: "1"},
+            read_only=True,
+            tmpfs={"/tmp": "rw,nosuid,nodev,size=64m"},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            user="1000:1000",
+            init=True,
+            network_mode="none",
+            mem_limit="256m",
+            pids_limit=64,
+            environment={
+                "HOME": "/officer/user",
+                "OFFICER_USER_HOME": "/officer/user",
+                "OFFICER_USER_ROOT": "/officer/user",
+                "PI_TOOLS_DIRS": "/officer/tools",
+                **(env or {}),
+            },
+            volumes={str(tools_dir): {"bind": "/officer/tools", "mode": "ro"}},
+        )
+        t0 = time.perf_counter()
+        # Attach before start, without logs, so that nothing is lost or replayed.
+        sock = client.api.attach_socket(
+            self.container.id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
+        )
+        self.sock: socket.socket = sock._sock  # the SocketIO wraps the real socket
+        self.sock.settimeout(None)  # it carries a 60 s timeout otherwise
+        self._sockio = sock
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.container.start()
+        self.ready = self.next(lambda m: m.get("method") == "ready")
+        self.start_seconds = time.perf_counter() - t0
+
+    # -- transport ------------------------------------------------------------------
+    def _read(self) -> None:
+        buf = b""
+        out = b""
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while len(buf) >= 8:
+                    stream, size = struct.unpack(">BxxxL", buf[:8])
+                    if len(buf) < 8 + size:
+                        break
+                    payload, buf = buf[8 : 8 + size], buf[8 + size :]
+                    if stream == 1:
+                        out += payload
+                        while b"\n" in out:
+                            line, out = out.split(b"\n", 1)
+                            self.raw_stdout.append(line)
+                            try:
+                                msg = json.loads(line)
+                                assert isinstance(msg, dict) and msg.get("jsonrpc") == "2.0"
+                            except Exception:
+                                self.bad_lines.append(line)
+                                continue
+                            self.lines.put(msg)
+                    elif stream == 2:
+                        self.stderr += payload
+        except OSError:
+            pass
+        finally:
+            self.closed.set()
+
+    def write(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.write(json.dumps(msg, ensure_ascii=False).encode() + b"\n")
+
+    def next(self, match, timeout: float = TIMEOUT) -> dict[str, Any]:
+        for i, m in enumerate(self._backlog):
+            if match(m):
+                return self._backlog.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching message in {timeout}s; stderr:\n{self.stderr.decode(errors='replace')}")
+            try:
+                m = self.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if self.closed.is_set() and self.lines.empty():
+                    raise AssertionError(f"container output ended; stderr:\n{self.stderr.decode(errors='replace')}")
+                continue
+            if match(m):
+                return m
+            self._backlog.append(m)
+
+    # -- protocol -------------------------------------------------------------------
+    def request(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        rid = self._next_id
+        self._next_id += 1
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        self.send(msg)
+        return self.next(lambda m: m.get("id") == rid and ("result" in m or "error" in m))
+
+    def call(self, tool: str, arguments: dict[str, Any] | None = None, **extra: Any) -> tuple[dict, list[dict]]:
+        """Run a tool; returns (result, progress messages in arrival order)."""
+        rid = self._next_id
+        self._next_id += 1
+        params = {
+            "toolCallId": extra.pop("toolCallId", f"call_{rid}"),
+            "entry": f"/officer/tools/{tool}/{extra.pop('file', 'index.ts')}",
+            "arguments": arguments or {},
+            **extra,
+        }
+        self.send({"jsonrpc": "2.0", "id": rid, "method": "call", "params": params})
+        progress = []
+        while True:
+            m = self.next(lambda m: m.get("id") == rid or (m.get("method") == "progress" and m["params"]["id"] == rid))
+            if m.get("method") == "progress":
+                progress.append(m)
+                continue
+            assert "result" in m, m
+            return m["result"], progress
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        return self.container.wait(timeout=timeout)["StatusCode"]
+
+    def close(self) -> None:
+        try:
+            self._sockio.close()
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+
+
+@pytest.fixture
+def shim(client):
+    made: list[ShimContainer] = []
+
+    def start(**kwargs) -> ShimContainer:
+        s = ShimContainer(client, **kwargs)
+        made.append(s)
+        return s
+
+    yield start
+    for s in made:
+        s.close()
+        assert not s.bad_lines, f"non-protocol lines on stdout: {s.bad_lines[:5]}"
+
+
+def text(result: dict) -> str:
+    return "\n".join(b.get("text", "") for b in result["content"])
+
+
+def test_image_metadata(client):
+    img = client.images.get(IMAGE)
+    labels = img.labels or {}
+    assert labels.get("org.sandboxd.shim-protocol") == "1"
+    assert labels.get("org.sandboxd.version") == VERSION
+    assert img.attrs["Config"]["User"] == "1000:1000"
+
+
+def test_ready_and_ping(shim):
+    s = shim()
+    params = s.ready["params"]
+    assert params["protocol"] == 1
+    assert int(params["node"].lstrip("v").split(".")[0]) >= 20
+    assert isinstance(params["pid"], int)
+    assert s.request("ping") == {"jsonrpc": "2.0", "id": 1, "result": {}}
+    print(f"\ncreate+attach+start -> ready: {s.start_seconds * 1000:.0f} ms")
+
+
+def test_hello_call_round_trip(shim):
+    s = shim()
+    result, progress = s.call("hello", {"name": "World"})
+    assert result == {"status": "ok", "content": [{"type": "text", "text": "Hello, World!"}], "isError": False}
+    assert progress == []
+
+
+def test_progress_in_order_before_result(shim):
+    s = shim()
+    result, progress = s.call("progress", {"steps": 5})
+    assert result["status"] == "ok"
+    texts = [p["params"]["content"][0]["text"] for p in progress]
+    assert texts[:5] == ["step 1", "step 2", "step 3", "step 4", "step 5"]
+    assert texts[5] == "a bare string"
+
+
+def test_cancel_aborts_the_signal(shim):
+    s = shim()
+    s.send({"jsonrpc": "2.0", "id": 99, "method": "call",
+            "params": {"toolCallId": "abort_1", "entry": "/officer/tools/abort/index.ts", "arguments": {}}})
+    s.next(lambda m: m.get("method") == "progress" and m["params"]["id"] == 99)
+    t0 = time.perf_counter()
+    s.send({"jsonrpc": "2.0", "method": "cancel", "params": {"id": 99, "reason": "user stop"}})
+    res = s.next(lambda m: m.get("id") == 99)
+    assert time.perf_counter() - t0 < 2
+    assert text(res["result"]) == "aborted=true name=AbortError message=user stop"
+
+
+def test_console_noise_stays_off_the_protocol(shim):
+    s = shim()
+    result, _ = s.call("console-noise", {"rawFd1": True}, toolCallId="noise_1")
+    assert result["status"] == "ok", result
+    assert text(result) == "quiet result; child stdin read 0 bytes"
+    assert s.request("ping")["result"] == {}
+    err = s.stderr.decode()
+    for line in [
+        "[noise_1] console.log line",
+        "[noise_1] partial stdout.write line",
+        "[noise_1] console.error line",
+        "fs.writeSync(1) line",
+        "child echo line",
+        "spawnSync child line",
+    ]:
+        assert line in err, err
+    assert not s.bad_lines
+    assert all(json.loads(line)["jsonrpc"] == "2.0" for line in s.raw_stdout)
+
+
+def test_shell_tools_and_read_only_root(shim):
+    s = shim()
+    result, _ = s.call("system")
+    assert result["status"] == "ok", result
+    report = json.loads(text(result))
+    found = report["which"].split("\n")
+    for cmd in ("python3", "sqlite3", "sh", "node"):
+        assert any(p.endswith("/" + cmd) for p in found), report
+    assert report["python"].startswith("3 "), report
+    assert report["sqlite"] == "42", report
+    assert report["certs"] == "/etc/ssl/certs/ca-certificates.crt"
+    assert report["uid"] == "1000"
+    assert report["rootfs"] == "EROFS" and report["etc"] == "EROFS", report
+    assert report["toolDir"] == "EROFS", report
+    assert report["tmp"] == "writable", report
+
+
+def test_bin_helper_and_typescript_in_the_container(shim):
+    s = shim()
+    result, _ = s.call("bin-helper", {"name": "Ada"})
+    assert text(result) == "python greets Ada\nsh greets Ada\nsame=true"
+    result, _ = s.call("ts-features", {"w": 2, "h": 5})
+    assert text(result) == "describe:area=10 cm 0,green,10,2 2"
+    result, _ = s.call("bun")
+    assert text(result).startswith("Bun is not defined: tools run on Node.js")
+
+
+def test_edited_tool_reloads_without_restart(shim):
+    tmp = Path(tempfile.mkdtemp(prefix="sandboxd-e2e-"))
+    try:
+        tool = tmp / "hello"
+        shutil.copytree(FIXTURES / "hello", tool)
+        os.chmod(tmp, 0o755)
+        s = shim(tools_dir=tmp)
+        assert text(s.call("hello", {"name": "A"})[0]) == "Hello, A!"
+        src = (tool / "index.ts").read_text().replace("Hello, ", "Howdy, ")
+        (tool / "index.ts").write_text(src)
+        assert text(s.call("hello", {"name": "B"})[0]) == "Howdy, B!"
+        stats = s.request("stats")["result"]
+        assert stats["reloads"] == 1 and stats["transpiles"] == 2
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_process_exit_ends_the_container(shim):
+    s = shim()
+    s.send({"jsonrpc": "2.0", "id": 1, "method": "call",
+            "params": {"toolCallId": "exit_1", "entry": "/officer/tools/exit/index.ts", "arguments": {"code": 3}}})
+    assert s.wait() == 3
+    assert s.closed.wait(5)
+
+
+def test_shutdown_exits_zero(shim):
+    s = shim()
+    s.send({"jsonrpc": "2.0", "method": "shutdown"})
+    assert s.wait() == 0
+
+
+def test_warm_hello_round_trip(shim):
+    """Median/p99 of a warm hello call through docker attach (printed, not asserted)."""
+    s = shim()
+    for i in range(30):
+        assert s.call("hello", {"name": str(i)})[0]["status"] == "ok"
+    times = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        result, _ = s.call("hello", {"name": "World"})
+        times.append((time.perf_counter() - t0) * 1000)
+        assert result["status"] == "ok"
+    pings = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        s.request("ping")
+        pings.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    pings.sort()
+    p99 = times[int(len(times) * 0.99) - 1]
+    print(
+        f"\nwarm hello call round trip over docker attach: median {statistics.median(times):.3f} ms, "
+        f"p99 {p99:.3f} ms, min {times[0]:.3f} ms (n={len(times)}); "
+        f"ping median {statistics.median(pings):.3f} ms, p99 {pings[int(len(pings) * 0.99) - 1]:.3f} ms; "
+        f"container start to ready {s.start_seconds * 1000:.0f} ms"
+    )
