@@ -1,0 +1,124 @@
+"""Clients of a running daemon: `sandboxd call` and `sandboxd status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
+from sandboxd.client import Client, DaemonUnreachable, RpcError
+from sandboxd.config import Config
+
+
+def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "call", parents=[parent], help="call a tool through a running daemon",
+        description="Call a tool through the daemon's socket. Progress is printed to stderr as it comes, "
+                    "then the result to stdout. Ctrl-C cancels the call. "
+                    "Exit status: 0 ok, 1 the tool failed, 2 usage or daemon error.",
+    )
+    p.add_argument("name", help="tool name")
+    p.add_argument("--user", required=True, help="whose tools, data and sandboxes (an email address)")
+    add_argument_flags(p)
+    p.add_argument("--timeout", type=float, metavar="S", help="deadline in seconds (capped by the daemon)")
+    p.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
+    p.add_argument("--raw", action="store_true", help="print the raw result object as JSON")
+    p.set_defaults(handler=run_call)
+
+    s = subparsers.add_parser("status", parents=[parent], help="show a running daemon's status",
+                              description="Print sandbox/status of a running daemon.")
+    s.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
+    s.add_argument("--json", action="store_true", help="print the raw status object")
+    s.set_defaults(handler=run_status)
+
+
+def add_argument_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a tool argument (repeatable); values are coerced by the tool's schema")
+    p.add_argument("--json", dest="json_args", metavar="OBJECT", help="tool arguments as a JSON object")
+
+
+def parse_tool_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """--json first, then each --arg on top. Raises ValueError with a usage message."""
+    arguments: dict[str, Any] = {}
+    if args.json_args:
+        try:
+            loaded = json.loads(args.json_args)
+        except ValueError as exc:
+            raise ValueError(f"--json is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError("--json must be a JSON object like '{\"name\": \"World\"}'")
+        arguments.update(loaded)
+    for item in args.arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--arg {item!r} must look like KEY=VALUE")
+        arguments[key] = value
+    return arguments
+
+
+def print_progress(params: dict[str, Any]) -> None:
+    for block in params.get("content") or []:
+        if isinstance(block, dict) and block.get("type") == "text":
+            print(f"… {block.get('text', '')}", file=sys.stderr, flush=True)
+
+
+def print_result(result: dict[str, Any]) -> None:
+    for block in result.get("content") or []:
+        if isinstance(block, dict) and block.get("type") == "text":
+            print(block.get("text", ""))
+        elif isinstance(block, dict):
+            print(f"[{block.get('type')} block, {block.get('mimeType', '')}]")
+    if result.get("status") != "ok":
+        print(f"sandboxd: the call ended with status {result.get('status')} after {result.get('durationMs')} ms",
+              file=sys.stderr)
+
+
+def run_call(args: argparse.Namespace, config: Config) -> int:
+    try:
+        arguments = parse_tool_arguments(args)
+    except ValueError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    params: dict[str, Any] = {"user": args.user, "name": args.name, "arguments": arguments}
+    if args.timeout is not None:
+        params["timeoutMs"] = int(args.timeout * 1000)
+    try:
+        with Client(config.socket) as client:
+            result = client.request(
+                "tools/call", params, on_progress=print_progress,
+                on_interrupt=lambda rid: client.cancel(rid, "cancelled with Ctrl-C"),
+            )
+    except (DaemonUnreachable, RpcError) as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        return 130
+    if args.raw:
+        print(json.dumps(result, indent=2))
+    else:
+        print_result(result)
+    return EXIT_OK if result.get("status") == "ok" else EXIT_FAILURE
+
+
+def run_status(args: argparse.Namespace, config: Config) -> int:
+    try:
+        with Client(config.socket) as client:
+            status = client.request("sandbox/status")
+    except (DaemonUnreachable, RpcError) as exc:
+        return fail(str(exc), EXIT_USAGE)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    pool = status["pool"]
+    print(f"sandboxd {status['version']} — backend {status['backend']}"
+          + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
+          + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight")
+    totals = pool["totals"]
+    print(f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting; {totals['waiting']} calls queued")
+    for user, row in sorted(pool["users"].items()):
+        print(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, {row['waiting']} queued")
+    if status.get("calls"):
+        print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(status["calls"].items())))
+    return EXIT_OK

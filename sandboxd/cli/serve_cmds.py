@@ -1,0 +1,35 @@
+"""`sandboxd serve`: sync the seed tools, then answer pi-bridge on the socket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, fail
+from sandboxd.config import Config
+from sandboxd.logging import configure_logging
+
+
+def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "serve", parents=[parent], help="run the daemon",
+        description="Sync the seed tools into DATA_PATH/tools, then serve the wire protocol on a unix socket "
+                    "until SIGTERM or SIGINT.",
+    )
+    p.add_argument("--socket", type=Path, metavar="PATH", help="unix socket to listen on")
+    p.add_argument("--seed-tools", type=Path, metavar="DIR", help="seed tools to sync at start")
+    p.add_argument("--backend", choices=["docker", "process"], help="sandbox backend (process = UNSANDBOXED, for development)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace, config: Config) -> int:
+    from sandboxd.server.server import serve
+
+    configure_logging(config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        return fail(str(exc), EXIT_FAILURE)
+    return EXIT_OK

@@ -1,0 +1,108 @@
+"""A small blocking client of the daemon's socket, for the CLI and tests."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+
+class RpcError(Exception):
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(f"{message} (code {code})")
+        self.code = code
+        self.message = message
+        self.data = data
+
+
+class DaemonUnreachable(Exception):
+    pass
+
+
+class Client:
+    def __init__(self, path: Path | str, timeout: float | None = None) -> None:
+        self.path = str(path)
+        self._ids = itertools.count(1)
+        self._buffer = b""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self._sock.close()
+            raise DaemonUnreachable(
+                f"no sandboxd is listening on {self.path} ({exc.strerror}); start it with `sandboxd serve` or pass --socket."
+            ) from None
+        except PermissionError:
+            self._sock.close()
+            raise DaemonUnreachable(
+                f"permission denied on {self.path}; join the socket's group or run as its owner."
+            ) from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def read_message(self) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            chunk = self._sock.recv(1 << 16)
+            if not chunk:
+                raise DaemonUnreachable("sandboxd closed the connection.")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def request(
+        self,
+        method: str,
+        params: dict[str, Any] | None = None,
+        *,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_interrupt: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """Send one request and wait for its answer, passing progress notifications on.
+
+        Ctrl-C while waiting calls ``on_interrupt(request_id)`` (e.g. to cancel) and keeps
+        waiting for the answer; a second Ctrl-C propagates.
+        """
+        request_id = next(self._ids)
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        interrupted = False
+        while True:
+            try:
+                reply = self.read_message()
+            except KeyboardInterrupt:
+                if interrupted or on_interrupt is None:
+                    raise
+                interrupted = True
+                on_interrupt(request_id)
+                continue
+            if reply.get("method") == "notifications/progress":
+                if on_progress is not None:
+                    on_progress(reply.get("params") or {})
+                continue
+            if reply.get("id") != request_id:
+                continue
+            if "error" in reply:
+                error = reply["error"]
+                raise RpcError(error.get("code", 0), error.get("message", ""), error.get("data"))
+            return reply.get("result")
+
+    def cancel(self, request_id: Any, reason: str = "cancelled by the user") -> None:
+        self.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request_id, "reason": reason}})
+
+    def call_tool(self, user: str, name: str, arguments: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return self.request("tools/call", {"user": user, "name": name, "arguments": arguments, **extra})

@@ -1,0 +1,114 @@
+"""The interface every sandbox backend implements.
+
+A backend starts sandboxes (one shim each), destroys them, and lists the ones
+this daemon owns. The pool only ever talks to this interface: Docker is one
+backend, a local `node` process another, and an in-memory fake makes the pool
+tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from sandboxd.tools.discovery import Tool
+
+ProgressCallback = Callable[[list[Any]], None]
+
+# Where TOOLS.md says things live inside a sandbox.
+CONTAINER_TOOLS = "/officer/tools"
+CONTAINER_USER = "/officer/user"
+CONTAINER_USER_TOOLS = "/officer/user/tools"
+CONTAINER_EMAIL_DB = "/officer/data/emails.db"
+
+
+def container_entry_path(tool: Tool) -> str:
+    """Entry path inside a sandbox that mounts the tools where TOOLS.md says."""
+    root = CONTAINER_USER_TOOLS if tool.source == "user" else CONTAINER_TOOLS
+    return f"{root}/{tool.dir.name}/{tool.entry.name}"
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a sandbox for one user needs: the host paths to mount."""
+
+    user: str
+    tools_dir: Path  # DATA_PATH/tools, read-only
+    user_dir: Path  # DATA_PATH/<user>, read-write
+    user_tools_dir: Path  # DATA_PATH/<user>/tools, read-only over user_dir
+    email_db: Path | None  # mounted read-write when it exists
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """One execute() call, as the shim protocol carries it (docs/shim.md)."""
+
+    tool_call_id: str
+    entry: str  # entry file path as the sandbox sees it
+    arguments: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    max_result_bytes: int = 1 << 20
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "toolCallId": self.tool_call_id,
+            "entry": self.entry,
+            "arguments": self.arguments,
+            "env": self.env,
+            "maxResultBytes": self.max_result_bytes,
+        }
+
+
+class Sandbox(Protocol):
+    """A started sandbox running the shim, serving one call at a time."""
+
+    id: str
+    user: str
+
+    @property
+    def alive(self) -> bool: ...
+
+    def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
+        """Send the call; the future resolves to the shim's result object.
+
+        It fails with SandboxFailed if the sandbox dies first. The caller may
+        fail it itself (timeout, cancel grace); late answers are then dropped.
+        """
+        ...
+
+    def cancel(self, reason: str) -> None:
+        """Fire the running call's AbortSignal."""
+        ...
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once when the sandbox dies (not when destroyed by the pool)."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    async def start(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox and wait until its shim is ready. Raises BackendUnavailable."""
+        ...
+
+    async def destroy(self, sandbox: Sandbox) -> None:
+        """Kill and remove the sandbox. Idempotent; never raises."""
+        ...
+
+    async def list_owned(self) -> list[str]:
+        """Ids of every sandbox this daemon instance owns, started by this run or an earlier one."""
+        ...
+
+    async def remove_orphans(self) -> int:
+        """Remove sandboxes left by an earlier run of this daemon; return how many."""
+        ...
+
+    def entry_path(self, tool: Tool) -> str:
+        """The path of a tool's entry file as seen inside the sandbox."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,319 @@
+"""Docker backend: one hardened container per sandbox, the shim on its stdin/stdout.
+
+The docker SDK is synchronous; its calls run in a small thread pool. The attach
+socket is handed to asyncio, which demultiplexes Docker's 8-byte frame headers
+(stream 1 stdout = the shim protocol, stream 2 stderr = tool output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import secrets
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import LogConfig, Mount, Ulimit
+
+from sandboxd.config import SandboxConfig
+from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.logging import get_logger
+from sandboxd.sandbox.backend import (
+    CONTAINER_EMAIL_DB,
+    CONTAINER_TOOLS,
+    CONTAINER_USER,
+    CONTAINER_USER_TOOLS,
+    SandboxSpec,
+    container_entry_path,
+)
+from sandboxd.sandbox.shim import ShimSandbox
+
+log = get_logger("sandboxd.docker")
+
+LABEL_MANAGED = "org.sandboxd.managed"
+LABEL_INSTANCE = "org.sandboxd.instance"
+LABEL_USER = "org.sandboxd.user"
+_FRAME = struct.Struct(">BxxxL")
+
+# Errors that mean "the engine is not there", as opposed to "it said no".
+_UNREACHABLE = (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError)
+
+
+def sandbox_user(setting: str) -> str:
+    """uid:gid the tool runs as. auto: the daemon's own ids, or 1000:1000 when the daemon is root."""
+    if setting != "auto":
+        return setting
+    if os.geteuid() == 0:
+        return "1000:1000"
+    return f"{os.geteuid()}:{os.getegid()}"
+
+
+def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
+    """The variables the daemon sets (TOOLS.md, "Available Environment Variables")."""
+    return {
+        "HOME": CONTAINER_USER,
+        "OFFICER_USER_HOME": CONTAINER_USER,
+        "OFFICER_USER_ROOT": CONTAINER_USER,
+        "PI_TOOLS_DIRS": f"{CONTAINER_TOOLS}:{CONTAINER_USER_TOOLS}",
+        "OFFICER_EMAIL_DB": CONTAINER_EMAIL_DB,
+    }
+
+
+class _AttachProtocol(asyncio.Protocol):
+    """Demultiplexes the attach stream: stdout frames to the shim channel, stderr to the tail."""
+
+    def __init__(self, sandbox: DockerSandbox) -> None:
+        self._sandbox = sandbox
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        offset = 0
+        while len(buffer) - offset >= 8:
+            stream, size = _FRAME.unpack_from(buffer, offset)
+            if len(buffer) - offset - 8 < size:
+                break
+            payload = bytes(buffer[offset + 8 : offset + 8 + size])
+            offset += 8 + size
+            if stream == 1:
+                self._sandbox.channel.feed(payload)
+            elif stream == 2:
+                self._sandbox.stderr_data(payload)
+        del buffer[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._sandbox.transport_closed()
+
+
+class DockerSandbox(ShimSandbox):
+    def __init__(self, backend: DockerBackend, container_id: str, user: str, max_line_bytes: int) -> None:
+        super().__init__(container_id[:12], user, max_line_bytes)
+        self.container_id = container_id
+        self._backend = backend
+        self.transport: asyncio.Transport | None = None
+        self.attach: Any = None
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    async def exit_reason(self) -> SandboxFailed:
+        return await self._backend.exit_reason(self)
+
+
+class DockerBackend:
+    name = "docker"
+
+    def __init__(self, config: SandboxConfig, *, instance: str, max_line_bytes: int) -> None:
+        self.config = config
+        self.instance = instance
+        self.max_line_bytes = max_line_bytes
+        self.user = sandbox_user(config.user)
+        self._api: docker.APIClient | None = None
+        # Enough threads that a burst of starts does not queue behind slow removes.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="docker")
+
+    # -- plumbing -------------------------------------------------------------
+
+    def api(self) -> docker.APIClient:
+        if self._api is None:
+            kwargs: dict[str, Any] = {"base_url": self.config.docker_host} if self.config.docker_host else docker.utils.kwargs_from_env()
+            self._api = docker.APIClient(version="auto", timeout=60, **kwargs)
+        return self._api
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        except docker.errors.ImageNotFound:
+            raise BackendUnavailable(
+                f"the runner image {self.config.image} is not built; run `make image` (or set sandbox.image)."
+            ) from None
+        except docker.errors.APIError as exc:
+            raise BackendUnavailable(f"the Docker engine refused: {exc.explanation or exc}") from None
+        except _UNREACHABLE as exc:
+            self._api = None  # reconnect (and renegotiate the API version) next time
+            raise BackendUnavailable(
+                f"the Docker engine is not reachable ({type(exc).__name__}); start it (e.g. systemctl start docker) "
+                "and sandboxd recovers by itself.",
+            ) from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.api().ping())
+        except Exception:
+            self._api = None
+            return False
+
+    # -- the Backend interface ------------------------------------------------
+
+    async def start(self, spec: SandboxSpec) -> DockerSandbox:
+        # The create runs on in its thread even if we are cancelled: wait for it and
+        # remove what it made, or shutdown would leave that container behind.
+        create = asyncio.ensure_future(self._run(self._create, spec))
+        try:
+            container_id = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            try:
+                await self._run_quiet(self._remove, await create)
+            except Exception:
+                pass
+            raise
+        sandbox: DockerSandbox | None = None
+        try:
+            attach = await self._run(self._attach, container_id)
+            sandbox = DockerSandbox(self, container_id, spec.user, self.max_line_bytes)
+            sandbox.attach = attach  # the SDK's socket wrapper closes the fd when collected
+            loop = asyncio.get_running_loop()
+            raw = getattr(attach, "_sock", attach)
+            sandbox.transport, _ = await loop.create_connection(lambda: _AttachProtocol(sandbox), sock=raw)
+            await self._run(lambda: self.api().start(container_id))
+            ready = await sandbox.channel.ready
+            if ready.get("protocol") != 1:
+                raise BackendUnavailable(
+                    f"the image {self.config.image} speaks shim protocol {ready.get('protocol')!r}, not 1; rebuild it with `make image`."
+                )
+            return sandbox
+        except BaseException as exc:
+            # Cancelled or failed half-way: never leave the container behind.
+            if sandbox is not None:
+                sandbox.destroying = True
+                if sandbox.transport is not None:
+                    sandbox.transport.close()
+            await asyncio.shield(self._run_quiet(self._remove, container_id))
+            if isinstance(exc, SandboxFailed):
+                tail = " | ".join(sandbox.stderr_tail) if sandbox is not None else ""
+                raise BackendUnavailable(f"a sandbox exited before its shim was ready: {tail or exc.message}") from None
+            raise
+
+    async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
+        sandbox.destroying = True
+        sandbox.channel.shutdown()
+        if sandbox.transport is not None:
+            sandbox.transport.close()
+        await self._run_quiet(self._remove, sandbox.container_id)
+
+    async def list_owned(self) -> list[str]:
+        containers = await self._run(
+            lambda: self.api().containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={self.instance}"]})
+        )
+        return [c["Id"] for c in containers]
+
+    async def remove_orphans(self) -> int:
+        owned = await self.list_owned()
+        await asyncio.gather(*(self._run_quiet(self._remove, cid) for cid in owned))
+        return len(owned)
+
+    def entry_path(self, tool: Any) -> str:
+        return container_entry_path(tool)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def exit_reason(self, sandbox: DockerSandbox) -> SandboxFailed:
+        """Why a container ended, in words an agent can act on."""
+        try:
+            state = (await self._run(lambda: self.api().inspect_container(sandbox.container_id)))["State"]
+        except Exception:
+            state = {}
+        code, oom = state.get("ExitCode"), bool(state.get("OOMKilled"))
+        tail = "\n".join(sandbox.stderr_tail)
+        if oom:
+            message = (
+                f"The tool ran out of memory: its sandbox is limited to {self.config.memory} and was killed. "
+                "Process less data at once, stream it, or write it to a file."
+            )
+        elif code == 0:
+            message = "The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), not call process.exit()."
+        elif code == 137:
+            message = "The tool's sandbox was killed (SIGKILL) during the call."
+        else:
+            message = f"The tool's sandbox exited with code {code} during the call."
+        if tail and not oom:
+            message += f" Its last output:\n{tail}"
+        return SandboxFailed(message, exit_code=code, oom_killed=oom)
+
+    # -- blocking Docker calls (run in the executor) ---------------------------
+
+    def _create(self, spec: SandboxSpec) -> str:
+        cfg = self.config
+        self._prepare_dirs(spec)
+        mounts = [
+            Mount(CONTAINER_TOOLS, str(spec.tools_dir), type="bind", read_only=True),
+            Mount(CONTAINER_USER, str(spec.user_dir), type="bind", read_only=False),
+            Mount(CONTAINER_USER_TOOLS, str(spec.user_tools_dir), type="bind", read_only=True),
+        ]
+        # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
+        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}", "/officer/data": "rw,nosuid,nodev,size=16m"}
+        if spec.email_db is not None and spec.email_db.is_file():
+            mounts.append(Mount(CONTAINER_EMAIL_DB, str(spec.email_db), type="bind", read_only=False))
+        host_config = self.api().create_host_config(
+            mounts=mounts,
+            tmpfs=tmpfs,
+            read_only=cfg.read_only_root,
+            cap_drop=["ALL"],
+            cap_add=cfg.cap_add or None,
+            security_opt=["no-new-privileges"] if cfg.no_new_privileges else None,
+            mem_limit=cfg.memory,
+            memswap_limit=cfg.memory,  # no swap: the limit is the limit
+            nano_cpus=int(cfg.cpus * 1e9),
+            pids_limit=cfg.pids_limit,
+            ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="nofile", soft=4096, hard=4096)],
+            init=cfg.init,
+            network_mode=cfg.network,
+            runtime=cfg.runtime,
+            ipc_mode="private",
+            # Tool output is read over attach; a json-file log would let a flood fill the disk.
+            log_config=LogConfig(type=LogConfig.types.NONE),
+        )
+        container = self.api().create_container(
+            cfg.image,
+            name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}",
+            stdin_open=True,
+            tty=False,
+            user=self.user,
+            environment=sandbox_env(spec),
+            working_dir=CONTAINER_USER,
+            labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user},
+            host_config=host_config,
+            network_disabled=cfg.network == "none",
+        )
+        return container["Id"]
+
+    def _prepare_dirs(self, spec: SandboxSpec) -> None:
+        for path in (spec.tools_dir, spec.user_dir, spec.user_tools_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0 and self.config.user == "auto":
+            # The tool runs as 1000:1000 and must be able to write the user's data root.
+            uid, gid = (int(x) for x in self.user.split(":"))
+            stat = spec.user_dir.stat()
+            if (stat.st_uid, stat.st_gid) != (uid, gid):
+                os.chown(spec.user_dir, uid, gid)
+
+    def _attach(self, container_id: str) -> Any:
+        # Attach before start with logs=0, so no early output is lost or replayed.
+        sock = self.api().attach_socket(
+            container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
+        )
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(None)  # the SDK leaves a 60 s timeout on it
+        raw.setblocking(False)
+        return sock
+
+    def _remove(self, container_id: str) -> None:
+        try:
+            self.api().remove_container(container_id, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+
+    async def _run_quiet(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            await self._run(fn, *args)
+        except Exception as exc:
+            log.warning("docker_cleanup_failed", error=str(exc), args=[str(a)[:64] for a in args])

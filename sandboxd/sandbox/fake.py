@@ -1,0 +1,134 @@
+"""An in-memory backend: pool and server logic tested in milliseconds.
+
+Each fake sandbox answers a call by running ``handler(request, on_progress)``
+(by default an echo of the arguments). Tests steer starts with ``start_delay``
+and ``start_error``, and kill sandboxes with ``FakeSandbox.die``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Awaitable, Callable
+
+from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.sandbox.backend import CallRequest, ProgressCallback, SandboxSpec
+
+Handler = Callable[[CallRequest, ProgressCallback, asyncio.Event], Awaitable[dict[str, Any]]]
+
+
+async def echo_handler(request: CallRequest, on_progress: ProgressCallback, aborted: asyncio.Event) -> dict[str, Any]:
+    text = f"{request.entry} {request.arguments}"
+    return {"status": "ok", "content": [{"type": "text", "text": text}], "isError": False}
+
+
+class FakeSandbox:
+    def __init__(self, backend: FakeBackend, sandbox_id: str, user: str) -> None:
+        self.id = sandbox_id
+        self.user = user
+        self._backend = backend
+        self._alive = True
+        self._exit_callbacks: list[Callable[[], None]] = []
+        self._task: asyncio.Task[Any] | None = None
+        self._future: asyncio.Future[dict[str, Any]] | None = None
+        self.aborted = asyncio.Event()
+        self.calls: list[CallRequest] = []
+        self.cancel_reasons: list[str] = []
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        if not self._alive:
+            # The contract the pool relies on: a dead sandbox is never handed a call.
+            self._backend.calls_to_dead += 1
+            future.set_exception(SandboxFailed("the sandbox is dead"))
+            return future
+        self.calls.append(request)
+        self.aborted = asyncio.Event()
+        self._future = future
+
+        async def run() -> None:
+            try:
+                result = await self._backend.handler(request, on_progress, self.aborted)
+            except SandboxFailed as exc:
+                if not future.done():
+                    future.set_exception(exc)
+                return
+            if not future.done():
+                future.set_result(result)
+
+        self._task = loop.create_task(run())
+        return future
+
+    def cancel(self, reason: str) -> None:
+        self.cancel_reasons.append(reason)
+        self.aborted.set()
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        self._exit_callbacks.append(callback)
+
+    def die(self, message: str = "the sandbox died") -> None:
+        """Simulate the sandbox dying on its own (OOM, process.exit, killed)."""
+        if not self._alive:
+            return
+        self._alive = False
+        if self._task is not None:
+            self._task.cancel()
+        if self._future is not None and not self._future.done():
+            self._future.set_exception(SandboxFailed(message))
+        for callback in self._exit_callbacks:
+            callback()
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, handler: Handler = echo_handler) -> None:
+        self.handler = handler
+        self.start_delay = 0.0
+        self.start_error: Exception | None = None
+        self.sandboxes: dict[str, FakeSandbox] = {}  # live, owned by this backend
+        self.destroyed: list[str] = []
+        self.orphans: list[str] = []
+        self.starts = 0
+        self.calls_to_dead = 0
+        self._ids = itertools.count(1)
+
+    async def start(self, spec: SandboxSpec) -> FakeSandbox:
+        self.starts += 1
+        if self.start_delay:
+            await asyncio.sleep(self.start_delay)
+        if self.start_error is not None:
+            raise self.start_error
+        sandbox = FakeSandbox(self, f"fake-{next(self._ids)}", spec.user)
+        self.sandboxes[sandbox.id] = sandbox
+        return sandbox
+
+    async def destroy(self, sandbox: FakeSandbox) -> None:  # type: ignore[override]
+        if sandbox.id in self.sandboxes:
+            del self.sandboxes[sandbox.id]
+            self.destroyed.append(sandbox.id)
+        sandbox._alive = False
+        if sandbox._task is not None:
+            sandbox._task.cancel()
+
+    async def list_owned(self) -> list[str]:
+        return list(self.sandboxes) + list(self.orphans)
+
+    async def remove_orphans(self) -> int:
+        count, self.orphans = len(self.orphans), []
+        return count
+
+    def entry_path(self, tool: Any) -> str:
+        return str(tool.entry)
+
+    async def close(self) -> None:
+        return None
+
+    def unavailable(self) -> None:
+        """Make every start fail as if the engine were down."""
+        self.start_error = BackendUnavailable("the fake engine is down")

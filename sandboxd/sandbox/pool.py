@@ -1,0 +1,321 @@
+"""Warm sandboxes per user, modelled on httpcore's connection pool.
+
+The mutable state is two plain lists, ``_sandboxes`` and ``_waiters``, and it
+changes in one synchronous method, ``_plan``, which hands idle sandboxes to
+waiters and returns what to start and what to destroy. The backend calls (slow,
+fallible) happen after, in ``_apply``. A caller that is cancelled while it waits
+never leaks a slot: ``acquire`` gives back whatever it was handed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sandboxd.config import PoolConfig
+from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, ShuttingDown
+from sandboxd.logging import get_logger
+from sandboxd.sandbox.backend import Backend, Sandbox, SandboxSpec
+
+log = get_logger("sandboxd.pool")
+
+# After a failed start, warm-keeping (not callers) waits this long before trying again.
+START_BACKOFF_S = 1.0
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+@dataclass(eq=False)
+class PooledSandbox:
+    user: str
+    state: State
+    sandbox: Sandbox | None = None
+    calls: int = 0
+    since: float = 0.0  # when it entered its current state
+
+    @property
+    def id(self) -> str:
+        return self.sandbox.id if self.sandbox is not None else "(starting)"
+
+
+@dataclass(eq=False)
+class Waiter:
+    user: str
+    future: asyncio.Future[PooledSandbox]
+
+
+@dataclass
+class Plan:
+    start: list[PooledSandbox] = field(default_factory=list)
+    destroy: list[PooledSandbox] = field(default_factory=list)
+
+
+class Pool:
+    def __init__(
+        self,
+        backend: Backend,
+        config: PoolConfig,
+        spec_for: Callable[[str], SandboxSpec],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self.config = config
+        self._spec_for = spec_for
+        self._clock = clock
+        # The pool's whole mutable state:
+        self._sandboxes: list[PooledSandbox] = []
+        self._waiters: list[Waiter] = []
+        # Bookkeeping that _plan reads:
+        self._last_call: dict[str, float] = {}  # user → last acquire/release; drives min_idle and the idle TTL
+        self._backoff_until: dict[str, float] = {}
+        self._closing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._starts: set[asyncio.Task[Any]] = set()
+        self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "start_failures": 0}
+
+    # -- the public surface -------------------------------------------------
+
+    async def acquire(self, user: str, timeout: float | None = None) -> PooledSandbox:
+        """An idle sandbox of ``user``, started if need be; raises Overloaded past the deadline."""
+        if self._closing:
+            raise ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(user, loop.create_future())
+        self._waiters.append(waiter)
+        self._last_call[user] = self._clock()
+        self._apply(self._plan())
+        timeout = self.config.acquire_timeout_ms / 1000 if timeout is None else timeout
+        try:
+            if waiter.future.done():  # fast path: an idle sandbox was there
+                return waiter.future.result()
+            async with asyncio.timeout(timeout):
+                return await waiter.future
+        except BaseException as exc:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            # Handed a sandbox in the same tick we were cancelled or timed out: give it back.
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result(), reusable=True, counted=False)
+            if isinstance(exc, TimeoutError):
+                raise Overloaded(
+                    f"no sandbox for {user} became free within {timeout:g} s "
+                    f"(limits: {self.config.max_per_user} per user, {self.config.max_total} in all); retry later.",
+                    data={"pool": repr(self)},
+                ) from None
+            raise
+
+    def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
+        """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
+        now = self._clock()
+        if counted:
+            pooled.calls += 1
+        self._last_call[pooled.user] = now
+        if pooled.state is State.BUSY and pooled in self._sandboxes:
+            if reusable and not self._closing and self._alive(pooled) and pooled.calls < self.config.max_calls_per_sandbox:
+                pooled.state, pooled.since = State.IDLE, now
+            else:
+                self._sandboxes.remove(pooled)
+                self._apply(Plan(destroy=[pooled]))
+        self._apply(self._plan())
+
+    def maintain(self) -> None:
+        """Expire idle sandboxes and keep users warm; called periodically by the server."""
+        self._apply(self._plan())
+
+    async def close(self, grace: float) -> None:
+        """Stop taking calls, wait up to ``grace`` s for busy sandboxes, then destroy everything."""
+        self._closing = True
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(ShuttingDown("sandboxd is shutting down; retry once it is back."))
+        self._waiters.clear()
+        deadline = self._clock() + grace
+        while any(p.state is State.BUSY for p in self._sandboxes) and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+        doomed = list(self._sandboxes)
+        self._sandboxes.clear()
+        # Starts are cancelled (the backend removes a half-made sandbox); destroys run to the end.
+        for task in list(self._starts):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._destroy(p) for p in doomed if p.sandbox is not None), return_exceptions=True)
+
+    def __repr__(self) -> str:
+        counts = {state: 0 for state in State}
+        for pooled in self._sandboxes:
+            counts[pooled.state] += 1
+        return (
+            f"<Pool [starting: {counts[State.STARTING]}, idle: {counts[State.IDLE]}, "
+            f"busy: {counts[State.BUSY]}, waiting: {len(self._waiters)}]>"
+        )
+
+    def status(self) -> dict[str, Any]:
+        users: dict[str, dict[str, int]] = {}
+        for pooled in self._sandboxes:
+            row = users.setdefault(pooled.user, {"starting": 0, "idle": 0, "busy": 0, "waiting": 0})
+            row[pooled.state.value] += 1
+        for waiter in self._waiters:
+            users.setdefault(waiter.user, {"starting": 0, "idle": 0, "busy": 0, "waiting": 0})["waiting"] += 1
+        totals = {key: sum(row[key] for row in users.values()) for key in ("starting", "idle", "busy", "waiting")}
+        return {"totals": totals, "users": users, "counters": dict(self.stats)}
+
+    # -- the state machine --------------------------------------------------
+
+    def _alive(self, pooled: PooledSandbox) -> bool:
+        return pooled.sandbox is not None and pooled.sandbox.alive
+
+    def _plan(self) -> Plan:
+        """Match waiters with idle sandboxes; decide what to start and destroy. No awaits here."""
+        plan = Plan()
+        if self._closing:
+            return plan
+        now, cfg = self._clock(), self.config
+
+        # 1. Drop idle sandboxes that died, that belong to users gone quiet, or beyond min_idle past the TTL.
+        idle_by_user: dict[str, int] = {}
+        for pooled in list(self._sandboxes):
+            if pooled.state is not State.IDLE:
+                continue
+            user_quiet = now - self._last_call.get(pooled.user, 0.0) > cfg.idle_ttl_s
+            surplus = idle_by_user.get(pooled.user, 0) >= cfg.min_idle and now - pooled.since > cfg.idle_ttl_s
+            if not self._alive(pooled) or user_quiet or surplus:
+                self._sandboxes.remove(pooled)
+                plan.destroy.append(pooled)
+            else:
+                idle_by_user[pooled.user] = idle_by_user.get(pooled.user, 0) + 1
+        for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
+            if not any(p.user == user for p in self._sandboxes) and not any(w.user == user for w in self._waiters):
+                del self._last_call[user]
+
+        # 2. Hand idle sandboxes to waiters, oldest waiter first.
+        for waiter in list(self._waiters):
+            if waiter.future.done():  # cancelled or failed while queued
+                self._waiters.remove(waiter)
+                continue
+            for pooled in self._sandboxes:
+                if pooled.user == waiter.user and pooled.state is State.IDLE:
+                    pooled.state, pooled.since = State.BUSY, now
+                    self._waiters.remove(waiter)
+                    waiter.future.set_result(pooled)
+                    break
+
+        # 3. Start sandboxes for waiters that starting sandboxes will not cover.
+        waiting: dict[str, int] = {}
+        for waiter in self._waiters:
+            waiting[waiter.user] = waiting.get(waiter.user, 0) + 1
+        for user, count in waiting.items():
+            starting = sum(1 for p in self._sandboxes if p.user == user and p.state is State.STARTING)
+            for _ in range(count - starting):
+                if not self._make_room(user, plan, evict=True):
+                    break
+                plan.start.append(self._new(user, now))
+
+        # 4. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
+        for user, last in self._last_call.items():
+            if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0):
+                continue
+            spare = sum(1 for p in self._sandboxes if p.user == user and p.state in (State.IDLE, State.STARTING))
+            spare -= waiting.get(user, 0)
+            for _ in range(cfg.min_idle - spare):
+                if not self._make_room(user, plan, evict=False):
+                    break
+                plan.start.append(self._new(user, now))
+        return plan
+
+    def _new(self, user: str, now: float) -> PooledSandbox:
+        pooled = PooledSandbox(user, State.STARTING, since=now)
+        self._sandboxes.append(pooled)
+        return pooled
+
+    def _make_room(self, user: str, plan: Plan, *, evict: bool) -> bool:
+        """True if one more sandbox for ``user`` fits, evicting another user's idle one if allowed."""
+        if sum(1 for p in self._sandboxes if p.user == user) >= self.config.max_per_user:
+            return False
+        if len(self._sandboxes) < self.config.max_total:
+            return True
+        if not evict:
+            return False
+        others = [p for p in self._sandboxes if p.state is State.IDLE and p.user != user]
+        if not others:
+            return False
+        victim = min(others, key=lambda p: p.since)  # the longest idle
+        self._sandboxes.remove(victim)
+        plan.destroy.append(victim)
+        return True
+
+    # -- side effects -------------------------------------------------------
+
+    def _apply(self, plan: Plan) -> None:
+        for pooled in plan.start:
+            task = self._spawn(self._start(pooled))
+            self._starts.add(task)
+            task.add_done_callback(self._starts.discard)
+        for pooled in plan.destroy:
+            if pooled.sandbox is not None:
+                self._spawn(self._destroy(pooled))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _start(self, pooled: PooledSandbox) -> None:
+        try:
+            async with asyncio.timeout(self.config.start_timeout_ms / 1000):
+                sandbox = await self._backend.start(self._spec_for(pooled.user))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._start_failed(pooled, exc)
+            return
+        self.stats["started"] += 1
+        pooled.sandbox = sandbox
+        if pooled not in self._sandboxes:  # closed or evicted while starting
+            self._spawn(self._destroy(pooled))
+            return
+        pooled.state, pooled.since = State.IDLE, self._clock()
+        sandbox.on_exit(lambda: self._sandbox_died(pooled))
+        log.debug("sandbox_started", user=pooled.user, sandbox=sandbox.id, pool=repr(self))
+        self._apply(self._plan())
+
+    def _start_failed(self, pooled: PooledSandbox, exc: BaseException) -> None:
+        self.stats["start_failures"] += 1
+        if pooled in self._sandboxes:
+            self._sandboxes.remove(pooled)
+        if isinstance(exc, TimeoutError):
+            exc = BackendUnavailable(
+                f"a sandbox did not start within {self.config.start_timeout_ms} ms; check the engine's load and the image."
+            )
+        elif not isinstance(exc, SandboxdError):
+            exc = BackendUnavailable(f"could not start a sandbox: {exc}")
+        log.warning("sandbox_start_failed", user=pooled.user, error=str(exc))
+        self._backoff_until[pooled.user] = self._clock() + START_BACKOFF_S
+        # Callers get the error now rather than at their deadline; each retry re-checks the backend.
+        for waiter in [w for w in self._waiters if w.user == pooled.user]:
+            self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+        self._apply(self._plan())
+
+    def _sandbox_died(self, pooled: PooledSandbox) -> None:
+        """An idle sandbox died (engine restart, killed from outside): replace it in the background."""
+        if pooled in self._sandboxes and pooled.state is State.IDLE:
+            self.stats["crashed"] += 1
+            self._sandboxes.remove(pooled)
+            self._apply(Plan(destroy=[pooled]))
+            self._apply(self._plan())
+        # A busy one is handled by its call, which sees the failure and releases it as not reusable.
+
+    async def _destroy(self, pooled: PooledSandbox) -> None:
+        assert pooled.sandbox is not None
+        self.stats["destroyed"] += 1
+        await self._backend.destroy(pooled.sandbox)

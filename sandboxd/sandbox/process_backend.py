@@ -1,0 +1,126 @@
+"""Process backend: the shim as a local `node` process. UNSANDBOXED.
+
+For tool developers without Docker: the same shim, loader and protocol, but
+the tool runs with the developer's own rights and sees the host filesystem.
+The service never picks it unless configured (backend: process), and every
+output that comes from it says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sandboxd.config import REPO_ROOT
+from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.sandbox.backend import SandboxSpec
+from sandboxd.sandbox.shim import ShimSandbox
+
+SHIM_MAIN = REPO_ROOT / "images" / "node" / "shim" / "src" / "main.js"
+UNSANDBOXED_NOTE = "UNSANDBOXED: the process backend runs tools as local node processes with your own rights"
+
+
+class ProcessSandbox(ShimSandbox):
+    def __init__(self, process: asyncio.subprocess.Process, user: str, max_line_bytes: int) -> None:
+        super().__init__(f"pid-{process.pid}", user, max_line_bytes)
+        self.process = process
+        self._pumps: list[asyncio.Task[None]] = []
+
+    def _write(self, data: bytes) -> None:
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.write(data)
+
+    async def pump(self) -> None:
+        """Feed the shim's stdout to the channel until EOF."""
+        assert self.process.stdout is not None
+        while chunk := await self.process.stdout.read(1 << 16):
+            self.channel.feed(chunk)
+        self.transport_closed()
+
+    async def pump_stderr(self) -> None:
+        assert self.process.stderr is not None
+        while chunk := await self.process.stderr.read(1 << 16):
+            self.stderr_data(chunk)
+
+    async def exit_reason(self) -> SandboxFailed:
+        code = await self.process.wait()
+        tail = "\n".join(self.stderr_tail)
+        if code == 0:
+            message = "The tool's process exited during the call (exit code 0): a tool must return from execute(), not call process.exit()."
+        elif code < 0:
+            message = f"The tool's process was killed by signal {-code} during the call."
+        else:
+            message = f"The tool's process exited with code {code} during the call."
+        return SandboxFailed(message + (f" Its last output:\n{tail}" if tail else ""), exit_code=code)
+
+
+class ProcessBackend:
+    name = "process"
+
+    def __init__(self, *, max_line_bytes: int, node: str | None = None, shim: Path = SHIM_MAIN) -> None:
+        self.max_line_bytes = max_line_bytes
+        self.node = node or shutil.which("node") or "node"
+        self.shim = shim
+        self._live: set[ProcessSandbox] = set()
+
+    async def start(self, spec: SandboxSpec) -> ProcessSandbox:
+        if not self.shim.is_file():
+            raise BackendUnavailable(f"the shim is missing at {self.shim}; run `make setup` in the sandboxd checkout.")
+        for path in (spec.tools_dir, spec.user_dir, spec.user_tools_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "HOME": str(spec.user_dir),
+            "OFFICER_USER_HOME": str(spec.user_dir),
+            "OFFICER_USER_ROOT": str(spec.user_dir),
+            "PI_TOOLS_DIRS": f"{spec.tools_dir}:{spec.user_tools_dir}",
+            "OFFICER_EMAIL_DB": str(spec.email_db or ""),
+            "SANDBOXD_UNSANDBOXED": "1",
+        }
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.node, str(self.shim),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=env, cwd=spec.user_dir,
+                start_new_session=True,  # its own process group, so destroy kills the tool's children too
+            )
+        except OSError as exc:
+            raise BackendUnavailable(f"could not run {self.node}: {exc.strerror}; install Node.js 20 or newer.") from None
+        sandbox = ProcessSandbox(process, spec.user, self.max_line_bytes)
+        sandbox._pumps = [asyncio.create_task(sandbox.pump()), asyncio.create_task(sandbox.pump_stderr())]
+        self._live.add(sandbox)
+        try:
+            await sandbox.channel.ready
+        except BaseException:
+            await self.destroy(sandbox)
+            raise
+        return sandbox
+
+    async def destroy(self, sandbox: Any) -> None:
+        sandbox.destroying = True
+        self._live.discard(sandbox)
+        try:
+            os.killpg(sandbox.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await sandbox.process.wait()
+        for task in sandbox._pumps:
+            task.cancel()
+
+    async def list_owned(self) -> list[str]:
+        return [s.id for s in self._live]
+
+    async def remove_orphans(self) -> int:
+        return 0  # processes die with the daemon (their stdin closes)
+
+    def entry_path(self, tool: Any) -> str:
+        return str(tool.entry)
+
+    async def close(self) -> None:
+        for sandbox in list(self._live):
+            await self.destroy(sandbox)

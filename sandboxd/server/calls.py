@@ -1,0 +1,218 @@
+"""One tools/call from checked params to result: acquire → call → release.
+
+Each phase has one deadline: the queue (pool.acquire_timeout_ms), the call
+(timeoutMs, capped), and the cancel grace. A call's future is settled by the
+first of: the shim's answer, the sandbox dying, the deadline, or the grace
+running out after a cancel; no extra task is created on this hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sandboxd.config import Config
+from sandboxd.errors import InvalidParams, SandboxFailed
+from sandboxd.logging import get_logger, secret_values
+from sandboxd.sandbox.backend import Backend, CallRequest
+from sandboxd.sandbox.pool import Pool
+from sandboxd.tools.discovery import Tool, ToolCatalog
+from sandboxd.tools.schema import sensitive_names, validate_arguments
+from sandboxd.users import check_user
+
+log = get_logger("sandboxd.calls")
+
+# Set by the daemon itself (TOOLS.md); a call may not override them.
+RESERVED_ENV = frozenset({"HOME", "OFFICER_USER_HOME", "OFFICER_USER_ROOT", "PI_TOOLS_DIRS", "OFFICER_EMAIL_DB"})
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _GraceExpired(Exception):
+    pass
+
+
+@dataclass
+class CallParams:
+    user: str
+    tool: Tool
+    arguments: dict[str, Any]
+    tool_call_id: str
+    env: dict[str, str]
+    timeout_s: float
+
+    def secrets(self) -> list[Any]:
+        names = sensitive_names(self.tool.schema)
+        return list(self.env.values()) + [v for k, v in self.arguments.items() if k in names]
+
+
+def parse_call_params(params: Any, catalog: ToolCatalog, config: Config) -> CallParams:
+    """Check everything about a tools/call before anything runs (-32602 on any problem)."""
+    if not isinstance(params, dict):
+        raise InvalidParams("tools/call needs params {\"user\", \"name\", \"arguments\"}.")
+    user = check_user(params.get("user"))
+    name = params.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidParams("'name' is required: the tool to call, as tools/list names it.")
+    tool = catalog.get(name, user)
+    if tool is None:
+        known = ", ".join(t.name for t in catalog.list(user)[:20]) or "none"
+        raise InvalidParams(f"unknown tool {name!r} for {user}; tools/list shows the tools (known: {known}).")
+    arguments = params.get("arguments", {})
+    arguments = validate_arguments(tool.schema, {} if arguments is None else arguments, tool=tool.name)
+    tool_call_id = params.get("toolCallId")
+    if tool_call_id is None:
+        tool_call_id = f"call_{uuid.uuid4().hex[:16]}"
+    elif not isinstance(tool_call_id, str) or not tool_call_id or len(tool_call_id) > 256:
+        raise InvalidParams("'toolCallId' must be a non-empty string of at most 256 characters.")
+    env = _check_env(params.get("env"), config.calls.allowed_env)
+    timeout_ms = params.get("timeoutMs")
+    if timeout_ms is None:
+        timeout_ms = config.calls.default_timeout_ms
+    elif isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or timeout_ms <= 0:
+        raise InvalidParams("'timeoutMs' must be a positive number of milliseconds.")
+    timeout_ms = min(timeout_ms, config.calls.max_timeout_ms)
+    return CallParams(user, tool, arguments, tool_call_id, env, timeout_ms / 1000)
+
+
+def _check_env(env: Any, allowed: list[str]) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise InvalidParams("'env' must be an object of string values.")
+    problems = []
+    for key, value in env.items():
+        if key in RESERVED_ENV:
+            problems.append(f"{key} is set by sandboxd and cannot be overridden")
+        elif key not in allowed:
+            problems.append(f"{key} is not an allowed env name (allowed: {', '.join(allowed)}; see calls.allowed_env)")
+        elif not isinstance(value, str):
+            problems.append(f"{key} must be a string")
+    if problems:
+        # Names only: env values are secrets and never appear in an error.
+        raise InvalidParams("forbidden env: " + "; ".join(problems) + ".", data={"names": sorted(env)})
+    return dict(env)
+
+
+@dataclass(eq=False)
+class CallContext:
+    """A call in flight: what a cancel notification or a disconnect acts on."""
+
+    request_id: Any
+    phase: str = "checking"  # checking → queued → running → done
+    task: asyncio.Task[Any] | None = None
+    sandbox: Any = None
+    future: asyncio.Future[dict[str, Any]] | None = None
+    cancel_reason: str | None = None
+    grace: float = 2.0
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+
+    def cancel(self, reason: str) -> None:
+        if self.cancel_reason is not None or self.phase == "done":
+            return
+        self.cancel_reason = reason
+        if self.phase in ("checking", "queued") and self.task is not None:
+            self.task.cancel()
+        elif self.phase == "running" and self.sandbox is not None and self.future is not None:
+            self.sandbox.cancel(reason)  # the tool's AbortSignal fires now
+            loop = asyncio.get_running_loop()
+            self.timers.append(loop.call_later(self.grace, _fail, self.future, _GraceExpired()))
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def result(status: str, content: list[Any], started: float, *, is_error: bool | None = None, details: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "content": content,
+        "isError": status != "ok" if is_error is None else is_error,
+        "status": status,
+        "durationMs": round((time.monotonic() - started) * 1000),
+    }
+    if details is not None:
+        out["details"] = details
+    return out
+
+
+def text(message: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": message}]
+
+
+class CallRunner:
+    def __init__(self, config: Config, pool: Pool, backend: Backend) -> None:
+        self.config = config
+        self.pool = pool
+        self.backend = backend
+        self.counts: dict[str, int] = {}
+
+    async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        started = time.monotonic()
+        with secret_values(call.secrets()):
+            outcome = await self._run(call, ctx, on_progress, started)
+        self.counts[outcome["status"]] = self.counts.get(outcome["status"], 0) + 1
+        log.info(
+            "call",
+            user=call.user,
+            tool=call.tool.name,
+            tool_call_id=call.tool_call_id,
+            status=outcome["status"],
+            duration_ms=outcome["durationMs"],
+            sandbox=getattr(ctx.sandbox, "id", None),
+        )
+        return outcome
+
+    async def _run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None], started: float) -> dict[str, Any]:
+        ctx.grace = self.config.calls.cancel_grace_ms / 1000
+        ctx.phase = "queued"
+        try:
+            pooled = await self.pool.acquire(call.user)
+        except asyncio.CancelledError:
+            if ctx.cancel_reason is None:
+                raise  # the daemon itself is stopping the task
+            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+        reusable = False
+        try:
+            ctx.phase, ctx.sandbox = "running", pooled.sandbox
+            request = CallRequest(
+                tool_call_id=call.tool_call_id,
+                entry=self.backend.entry_path(call.tool),
+                arguments=call.arguments,
+                env=call.env,
+                max_result_bytes=self.config.calls.max_result_bytes,
+            )
+            assert pooled.sandbox is not None
+            ctx.future = future = pooled.sandbox.call(request, on_progress)
+            loop = asyncio.get_running_loop()
+            ctx.timers.append(loop.call_later(call.timeout_s, _fail, future, _Timeout()))
+            try:
+                answer = await future
+            except _Timeout:
+                return result("timeout", text(
+                    f"The tool did not finish within {call.timeout_s:g} s and was stopped; "
+                    "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started)
+            except _GraceExpired:
+                return result("cancelled", text(
+                    f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
+                    f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
+            except SandboxFailed as exc:
+                return result("crashed", text(exc.message), started)
+            reusable = True
+            content = answer.get("content")
+            if not isinstance(content, list):
+                content = text("The tool's sandbox returned a malformed result.")
+            if ctx.cancel_reason is not None:
+                return result("cancelled", content, started, is_error=True, details=answer.get("details"))
+            status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
+            return result(status, content, started, details=answer.get("details"))
+        finally:
+            ctx.phase = "done"
+            for timer in ctx.timers:
+                timer.cancel()
+            self.pool.release(pooled, reusable=reusable)

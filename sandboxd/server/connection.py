@@ -1,0 +1,215 @@
+"""One client connection: JSON-RPC 2.0 lines in, responses and notifications out.
+
+Framing per PROTOCOL.md: split on \\n only, ignore a trailing \\r, answer an
+over-long line with -32600 and skip it. Requests run concurrently and answer
+in any order; a problem with one message never closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from sandboxd.errors import InvalidParams, SandboxdError
+from sandboxd.logging import get_logger
+from sandboxd.server.calls import CallContext, parse_call_params, result, text
+
+if TYPE_CHECKING:
+    from sandboxd.server.server import Server
+
+log = get_logger("sandboxd.server")
+
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
+# Stop reading from a client whose responses pile up unread.
+_WRITE_HIGH_WATER = 8 << 20
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return data.encode() + b"\n"
+    except UnicodeEncodeError:  # lone surrogates from a tool's output: escape them
+        return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.max_line = server.config.max_message_bytes
+        self._buffer = bytearray()
+        self._skipping = False  # inside an over-long line, dropping bytes up to its \n
+        self.calls: dict[Any, CallContext] = {}  # request id → call in flight
+        self.closed = False
+
+    # -- asyncio.Protocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        # A client that goes away cancels every call it has in flight.
+        for ctx in list(self.calls.values()):
+            ctx.cancel("client disconnected")
+
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        while True:
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                break
+            if self._skipping:
+                self._skipping = False
+            elif end - start > self.max_line:
+                self._too_long()
+            else:
+                self.handle_line(bytes(buffer[start:end]))
+            start = end + 1
+        del buffer[:start]
+        if len(buffer) > self.max_line:
+            if not self._skipping:
+                self._skipping = True
+                self._too_long()
+            buffer.clear()
+
+    def _too_long(self) -> None:
+        self.send_error(None, INVALID_REQUEST, f"message longer than {self.max_line} bytes; it was skipped. "
+                        "Send smaller messages (limit: max_message_bytes).")
+
+    def eof_received(self) -> bool:
+        # A unix socket cannot tell a half-close from a close: EOF is a disconnect,
+        # which cancels the calls in flight (connection_lost follows).
+        return False
+
+    # -- messages ---------------------------------------------------------------
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.closed and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode(message))
+
+    def send_error(self, request_id: Any, code: int, message: str, data: Any = None) -> None:
+        error: dict[str, Any] = {"code": code, "message": message}
+        if data is not None:
+            error["data"] = data
+        self.send({"jsonrpc": "2.0", "id": request_id, "error": error})
+
+    def handle_line(self, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip():
+            return
+        try:
+            message = json.loads(line)
+        except UnicodeDecodeError:
+            return self.send_error(None, PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.")
+        except RecursionError:
+            return self.send_error(None, PARSE_ERROR, "message is nested too deeply to parse.")
+        except ValueError as exc:
+            return self.send_error(None, PARSE_ERROR, f"message is not JSON: {exc}.")
+        if isinstance(message, list):
+            return self.send_error(None, INVALID_REQUEST, "batches are not supported; send one request per line.")
+        if not isinstance(message, dict):
+            return self.send_error(None, INVALID_REQUEST, "a message must be a JSON-RPC 2.0 object.")
+        request_id = message.get("id")
+        if not isinstance(request_id, (str, int, float, type(None))) or isinstance(request_id, bool):
+            return self.send_error(None, INVALID_REQUEST, "'id' must be a string or a number.")
+        method = message.get("method")
+        if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
+            return self.send_error(request_id, INVALID_REQUEST, "not a JSON-RPC 2.0 request: it needs \"jsonrpc\": \"2.0\" and a \"method\" string.")
+        params = message.get("params")
+        if "id" not in message:
+            return self.handle_notification(method, params)
+        try:
+            self.dispatch(request_id, method, params)
+        except SandboxdError as exc:
+            self.send_error(request_id, exc.code, exc.message, exc.data)
+        except Exception:
+            log.exception("request_failed", method=method)
+            self.send_error(request_id, INTERNAL_ERROR, "internal error in sandboxd; the daemon's log has the details.")
+
+    def handle_notification(self, method: str, params: Any) -> None:
+        if method == "notifications/cancelled" and isinstance(params, dict):
+            ctx = self.calls.get(params.get("requestId"))
+            if ctx is not None:
+                reason = params.get("reason")
+                ctx.cancel(reason if isinstance(reason, str) and reason else "cancelled by the client")
+        # Unknown notifications are ignored, as JSON-RPC asks.
+
+    def dispatch(self, request_id: Any, method: str, params: Any) -> None:
+        server = self.server
+        if method == "ping":
+            return self.send({"jsonrpc": "2.0", "id": request_id, "result": {}})
+        if method == "tools/list":
+            user = params.get("user") if isinstance(params, dict) else None
+            if params is not None and not isinstance(params, dict):
+                raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
+            tools = server.catalog.list(user)
+            return self.send({"jsonrpc": "2.0", "id": request_id, "result": {"tools": [t.to_protocol() for t in tools]}})
+        if method == "sandbox/status":
+            return self.send({"jsonrpc": "2.0", "id": request_id, "result": server.status()})
+        if method == "tools/call":
+            return self.start_call(request_id, params)
+        raise _MethodNotFound(method)
+
+    def start_call(self, request_id: Any, params: Any) -> None:
+        server = self.server
+        if request_id in self.calls:
+            raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
+        if server.stopping:
+            raise server.shutting_down_error()
+        call = parse_call_params(params, server.catalog, server.config)
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        token = meta.get("progressToken", request_id)
+        ctx = CallContext(request_id)
+        counter = 0
+
+        def on_progress(content: list[Any]) -> None:
+            nonlocal counter
+            counter += 1
+            self.send({"jsonrpc": "2.0", "method": "notifications/progress",
+                       "params": {"progressToken": token, "progress": counter, "content": content}})
+
+        async def run() -> None:
+            started = time.monotonic()
+            try:
+                outcome = await server.runner.run(call, ctx, on_progress)
+            except asyncio.CancelledError:
+                if ctx.cancel_reason is None:
+                    raise
+                outcome = result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+            except SandboxdError as exc:
+                return self.send_error(request_id, exc.code, exc.message, exc.data)
+            except Exception:
+                log.exception("call_failed", tool=call.tool.name)
+                return self.send_error(request_id, INTERNAL_ERROR, "internal error in sandboxd; the daemon's log has the details.")
+            finally:
+                self.calls.pop(request_id, None)
+                server.calls_in_flight.discard(ctx)
+            self.send({"jsonrpc": "2.0", "id": request_id, "result": outcome})
+
+        self.calls[request_id] = ctx
+        server.calls_in_flight.add(ctx)
+        ctx.task = asyncio.get_running_loop().create_task(run())
+
+
+class _MethodNotFound(SandboxdError):
+    code = METHOD_NOT_FOUND
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"unknown method {method!r}; the methods are ping, tools/list, tools/call and sandbox/status.")

@@ -1,0 +1,152 @@
+"""End-to-end harness: a real `sandboxd serve` process, a real socket, real Docker.
+
+Every daemon gets its own data path and socket (so its own instance label), runs
+its sandboxes on network `none`, and is checked for leftover containers when it
+stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from sandboxd.client import Client
+from sandboxd.config import RUNNER_IMAGE
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL_FIXTURES = Path(__file__).resolve().parent / "tools"
+
+
+def docker_client() -> Any:
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+        return client
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        pytest.fail(f"Docker engine not reachable ({exc}); `make test` starts it via scripts/ensure-docker.sh")
+
+
+@pytest.fixture(scope="session")
+def docker_api() -> Any:
+    client = docker_client()
+    try:
+        client.images.get(RUNNER_IMAGE)
+    except Exception:
+        pytest.fail(f"runner image {RUNNER_IMAGE} is missing; build it with `make image`")
+    return client
+
+
+def write_tool(root: Path, name: str, source: str, *, inputs: str = "", version: int = 1, entry: str = "index.ts",
+               description: str | None = None) -> Path:
+    """Write a tool directory with a TOOL.md and an entry file."""
+    tool = root / name
+    tool.mkdir(parents=True, exist_ok=True)
+    inputs_block = f"inputs:\n{inputs}" if inputs else ""
+    (tool / "TOOL.md").write_text(
+        f"---\nname: {name}\ndescription: {description or 'Test tool ' + name + '.'}\nversion: {version}\n"
+        f"{inputs_block}\n---\n\n# {name}\n"
+    )
+    (tool / entry).write_text(source)
+    return tool
+
+
+class Daemon:
+    def __init__(self, tmp: Path, *, config: str = "", env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.data = tmp / "data"
+        # Socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
+        self.socket = Path(tempfile.mkdtemp(prefix="sbd-")) / "sandboxd.sock"
+        self.log_path = tmp / "daemon.log"
+        self.config_path = tmp / "config.yaml"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(config)
+        # Test sandboxes never get a network.
+        self.env = {**os.environ, "SANDBOXD_SANDBOX_NETWORK": "none", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        shutil.copytree(TOOL_FIXTURES, self.data / "tools", dirs_exist_ok=True)
+
+    def start(self, timeout: float = 30) -> Daemon:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sandboxd", "serve", "--config", str(self.config_path),
+             "--data-path", str(self.data), "--socket", str(self.socket),
+             "--seed-tools", str(REPO / "seed" / "tools")],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with Client(self.socket, timeout=5) as client:
+                    client.request("ping")
+                return self
+            except Exception:
+                time.sleep(0.1)
+        raise AssertionError(f"daemon did not listen within {timeout} s:\n{self.log()}")
+
+    def client(self, timeout: float | None = 60) -> Client:
+        return Client(self.socket, timeout=timeout)
+
+    def user_dir(self, user: str) -> Path:
+        return self.data / user
+
+    def instance_label(self) -> str:
+        from sandboxd.config import load_config
+        from sandboxd.server.server import instance_id
+
+        return instance_id(load_config(overrides={"socket": self.socket, "data_path": self.data}, environ={}))
+
+    def containers(self, api: Any) -> list[Any]:
+        return api.containers.list(all=True, filters={"label": f"org.sandboxd.instance={self.instance_label()}"})
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 40) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon did not stop within {timeout} s:\n{self.log()}")
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, docker_api: Any) -> Iterator[Any]:
+    """Factory: make_daemon(config="pool:\\n  min_idle: 0\\n") → a started Daemon; stopped and checked after."""
+    daemons: list[Daemon] = []
+
+    def factory(config: str = "", start: bool = True, **kwargs: Any) -> Daemon:
+        daemon = Daemon(tmp_path / f"d{len(daemons)}", config=config, **kwargs)
+        daemons.append(daemon)
+        return daemon.start() if start else daemon
+
+    yield factory
+    for daemon in daemons:
+        if daemon.proc is not None:
+            daemon.stop()
+        leftovers = daemon.containers(docker_api)
+        for container in leftovers:
+            container.remove(force=True)
+        assert not leftovers, f"daemon left {len(leftovers)} containers behind:\n{daemon.log()}"
+
+
+@pytest.fixture
+def daemon(make_daemon: Any) -> Daemon:
+    return make_daemon()

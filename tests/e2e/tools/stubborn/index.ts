@@ -1,0 +1,3 @@
+export async function execute() {
+  for (;;) { /* spin: ignores the abort signal and blocks the event loop */ }
+}

@@ -1,0 +1,3 @@
+export async function execute(): Promise<never> {
+  throw new Error("the database is on fire");
+}

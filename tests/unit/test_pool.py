@@ -1,0 +1,271 @@
+"""Pool logic on the fake backend: the pool's state is asserted after each step."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.config import PoolConfig
+from sandboxd.errors import BackendUnavailable, Overloaded, ShuttingDown
+from sandboxd.sandbox.backend import CallRequest, SandboxSpec
+from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.sandbox.pool import Pool, State
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec_for(user: str) -> SandboxSpec:
+    root = Path("/nonexistent")
+    return SandboxSpec(user, root / "tools", root / user, root / user / "tools", None)
+
+
+def make_pool(backend: FakeBackend | None = None, clock: Clock | None = None, **overrides: Any) -> Pool:
+    settings = {"max_per_user": 2, "max_total": 3, "min_idle": 1, "idle_ttl_s": 60, "acquire_timeout_ms": 200,
+                "max_calls_per_sandbox": 3} | overrides
+    return Pool(backend or FakeBackend(), PoolConfig(**settings), spec_for, clock=clock or Clock())
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_first_call_starts_a_sandbox_and_keeps_one_warm() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend)
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        pooled = await pool.acquire("a@x.io")
+        assert pooled.state is State.BUSY and pooled.user == "a@x.io"
+        await settle()
+        # min_idle=1: a second sandbox warms up while the first one is busy.
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        pool.release(pooled, reusable=True)
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        assert backend.starts == 2
+
+    run(main())
+
+
+def test_idle_sandbox_is_reused_without_a_start() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0)
+        first = await pool.acquire("a@x.io")
+        pool.release(first, reusable=True)
+        second = await pool.acquire("a@x.io")
+        assert second is first and backend.starts == 1
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+
+    run(main())
+
+
+def test_sandboxes_belong_to_one_user() -> None:
+    async def main() -> None:
+        pool = make_pool(min_idle=0)
+        a = await pool.acquire("a@x.io")
+        pool.release(a, reusable=True)
+        b = await pool.acquire("b@x.io")
+        assert b is not a and b.user == "b@x.io"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+
+    run(main())
+
+
+def test_per_user_limit_queues_then_times_out_with_overloaded() -> None:
+    async def main() -> None:
+        pool = make_pool(min_idle=0, acquire_timeout_ms=50)
+        held = [await pool.acquire("a@x.io"), await pool.acquire("a@x.io")]
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, waiting: 0]>"
+        with pytest.raises(Overloaded) as info:
+            await pool.acquire("a@x.io")
+        assert "2 per user" in info.value.message
+        # The timed-out waiter left nothing behind.
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, waiting: 0]>"
+        assert len(held) == 2
+
+    run(main())
+
+
+def test_queued_caller_gets_the_released_sandbox() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_per_user=1)
+        first = await pool.acquire("a@x.io")
+        waiter = asyncio.ensure_future(pool.acquire("a@x.io"))
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 1]>"
+        pool.release(first, reusable=True)
+        assert (await waiter) is first
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+        assert backend.starts == 1
+
+    run(main())
+
+
+def test_cancelled_waiter_never_leaks_a_slot() -> None:
+    async def main() -> None:
+        pool = make_pool(min_idle=0, max_per_user=1)
+        first = await pool.acquire("a@x.io")
+        waiter = asyncio.ensure_future(pool.acquire("a@x.io"))
+        await settle()
+        # Hand the sandbox over and cancel the waiter in the same tick.
+        pool.release(first, reusable=True)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        again = await pool.acquire("a@x.io")
+        assert again is first
+
+    run(main())
+
+
+def test_global_limit_evicts_another_users_idle_sandbox() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_total=2)
+        for user in ("a@x.io", "b@x.io"):
+            pool.release(await pool.acquire(user), reusable=True)
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        c = await pool.acquire("c@x.io")
+        await settle()
+        assert c.user == "c@x.io"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert len(backend.destroyed) == 1  # a@x.io's, the longest idle
+
+    run(main())
+
+
+def test_unusable_sandbox_is_destroyed_and_replaced_in_the_background() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=1)
+        pooled = await pool.acquire("a@x.io")
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        pool.release(pooled, reusable=False)  # e.g. it timed out
+        await settle()
+        assert pooled.sandbox is not None and pooled.sandbox.id in backend.destroyed
+        # The warm one serves the next call at once; no caller waits for the replacement.
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+
+    run(main())
+
+
+def test_recycled_after_max_calls() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_calls_per_sandbox=2)
+        first = await pool.acquire("a@x.io")
+        pool.release(first, reusable=True)
+        assert (await pool.acquire("a@x.io")) is first
+        pool.release(first, reusable=True)
+        await settle()
+        assert first.sandbox is not None and first.sandbox.id in backend.destroyed
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+
+    run(main())
+
+
+def test_dead_idle_sandbox_never_receives_a_call() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=1)
+        pooled = await pool.acquire("a@x.io")
+        pool.release(pooled, reusable=True)
+        await settle()
+        for sandbox in list(backend.sandboxes.values()):
+            sandbox.die()
+        await settle()
+        fresh = await pool.acquire("a@x.io")
+        assert fresh.sandbox is not None and fresh.sandbox.alive
+        future = fresh.sandbox.call(CallRequest("c1", "/x/index.ts", {}), lambda content: None)
+        assert (await future)["status"] == "ok"
+        assert backend.calls_to_dead == 0
+        assert pool.stats["crashed"] == 2
+
+    run(main())
+
+
+def test_idle_ttl_cools_a_quiet_user_down() -> None:
+    async def main() -> None:
+        clock = Clock()
+        backend = FakeBackend()
+        pool = make_pool(backend, clock, min_idle=1, idle_ttl_s=60)
+        pool.release(await pool.acquire("a@x.io"), reusable=True)
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        clock.now += 30
+        pool.maintain()
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        clock.now += 31
+        pool.maintain()
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert backend.sandboxes == {}
+
+    run(main())
+
+
+def test_start_failure_reaches_the_caller_at_once() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        backend.unavailable()
+        pool = make_pool(backend, acquire_timeout_ms=5000)
+        with pytest.raises(BackendUnavailable):
+            await pool.acquire("a@x.io")
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        # The engine comes back: the next call recovers by itself.
+        backend.start_error = None
+        pooled = await pool.acquire("a@x.io")
+        assert pooled.state is State.BUSY
+
+    run(main())
+
+
+def test_close_refuses_new_calls_and_destroys_everything() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=1)
+        busy = await pool.acquire("a@x.io")
+        await settle()
+        await pool.close(grace=0)
+        assert backend.sandboxes == {}
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        with pytest.raises(ShuttingDown):
+            await pool.acquire("a@x.io")
+        pool.release(busy, reusable=True)  # a late release after close is harmless
+
+    run(main())
+
+
+def test_close_cancels_starts_in_flight() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        backend.start_delay = 10
+        pool = make_pool(backend)
+        waiter = asyncio.ensure_future(pool.acquire("a@x.io"))
+        await settle()
+        # One for the caller, one to keep warm (min_idle=1).
+        assert repr(pool) == "<Pool [starting: 2, idle: 0, busy: 0, waiting: 1]>"
+        await pool.close(grace=0)
+        with pytest.raises(ShuttingDown):
+            await waiter
+        assert backend.sandboxes == {}
+
+    run(main())

@@ -1,0 +1,282 @@
+"""The server and call runner on the fake backend: the protocol in milliseconds.
+
+The end-to-end suite proves the same against Docker; these pin the edge cases
+(ordering, deadlines, cancellation races) cheaply and deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+
+from sandboxd.config import load_config
+from sandboxd.errors import SandboxFailed
+from sandboxd.sandbox.backend import CallRequest
+from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.server.server import Server
+
+USER = "alice@example.com"
+
+
+def hello_tree(data: Path) -> None:
+    tool = data / "tools" / "hello"
+    tool.mkdir(parents=True)
+    (tool / "TOOL.md").write_text(
+        "---\nname: hello\ndescription: Says hello.\nversion: 1\ninputs:\n  name:\n    type: string\n"
+        "    description: Who.\n  token:\n    type: string\n    description: A secret.\n    optional: true\n"
+        "    sensitive: true\n---\n# Hello\n"
+    )
+    (tool / "index.ts").write_text("export async function execute() {}\n")
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    def send(self, message: Any) -> None:
+        data = message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
+        self.writer.write(data)
+
+    async def read(self) -> dict[str, Any]:
+        return json.loads(await asyncio.wait_for(self.reader.readline(), 5))
+
+    async def request(self, method: str, params: Any = None, request_id: Any = 1) -> dict[str, Any]:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        while True:
+            reply = await self.read()
+            if reply.get("id") == request_id:
+                return reply
+
+
+class Harness:
+    def __init__(self, server: Server, backend: FakeBackend) -> None:
+        self.server, self.backend = server, backend
+
+    async def connect(self) -> Conn:
+        reader, writer = await asyncio.open_unix_connection(str(self.server.config.socket))
+        return Conn(reader, writer)
+
+
+def serving(tmp_path: Path, handler: Callable[..., Any] | None = None, **config: Any) -> Callable[..., Any]:
+    """Decorator: run the test coroutine against a started server with a fake backend."""
+
+    def wrap(test: Callable[[Harness], Any]) -> None:
+        async def main() -> None:
+            hello_tree(tmp_path / "data")
+            settings = {"data_path": tmp_path / "data", "socket": tmp_path / "s.sock", "seed_tools": None,
+                        "backend": "fake"} | config
+            cfg = load_config(overrides=settings, environ={})
+            backend = FakeBackend(handler) if handler else FakeBackend()
+            server = Server(cfg, backend)
+            await server.startup()
+            try:
+                await test(Harness(server, backend))
+            finally:
+                await server.shutdown()
+            assert backend.sandboxes == {}
+
+        asyncio.run(main())
+
+    return wrap
+
+
+async def ok_handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+    return {"status": "ok", "content": [{"type": "text", "text": f"Hello, {request.arguments['name']}!"}], "isError": False}
+
+
+def test_call_ok_and_status(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "World"}})
+        result = reply["result"]
+        assert result["content"] == [{"type": "text", "text": "Hello, World!"}]
+        assert (result["status"], result["isError"]) == ("ok", False)
+        status = (await conn.request("sandbox/status", request_id=2))["result"]
+        assert status["calls"] == {"ok": 1} and status["callsInFlight"] == 0
+        assert repr(h.server.pool).startswith("<Pool [starting: 0")
+
+
+def test_progress_before_result_with_request_id_token(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        for i in range(3):
+            on_progress([{"type": "text", "text": str(i)}])
+            await asyncio.sleep(0)
+        return {"status": "ok", "content": [], "isError": False}
+
+    @serving(tmp_path, handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        conn.send({"jsonrpc": "2.0", "id": "r1", "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        messages = [await conn.read() for _ in range(4)]
+        assert [m["params"]["progress"] for m in messages[:3]] == [1, 2, 3]
+        assert {m["params"]["progressToken"] for m in messages[:3]} == {"r1"}
+        assert messages[3]["id"] == "r1"
+
+
+def test_timeout_answers_at_the_deadline_and_discards_the_sandbox(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    @serving(tmp_path, handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}, "timeoutMs": 50})
+        assert reply["result"]["status"] == "timeout"
+        await asyncio.sleep(0.01)
+        assert len(h.backend.destroyed) == 1
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+
+
+def test_cancel_settled_keeps_the_sandbox_ignored_kills_it(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        if request.arguments["name"] == "polite":
+            await aborted.wait()
+            return {"status": "error", "content": [{"type": "text", "text": "stopped"}], "isError": True}
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    @serving(tmp_path, handler, pool={"min_idle": 0}, calls={"cancel_grace_ms": 50})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        for request_id, name in ((1, "polite"), (2, "stubborn")):
+            conn.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                       "params": {"user": USER, "name": "hello", "arguments": {"name": name}}})
+        await asyncio.sleep(0.05)
+        for request_id in (1, 2):
+            conn.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request_id, "reason": "stop"}})
+        replies = {r["id"]: r["result"] for r in [await conn.read(), await conn.read()]}
+        assert replies[1]["status"] == "cancelled" and replies[1]["content"][0]["text"] == "stopped"
+        assert replies[2]["status"] == "cancelled" and "killed" in replies[2]["content"][0]["text"]
+        await asyncio.sleep(0.01)
+        assert len(h.backend.destroyed) == 1
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+
+
+def test_cancel_while_queued_answers_at_once(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        h.backend.start_delay = 30
+        conn = await h.connect()
+        conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        await asyncio.sleep(0.02)
+        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>"
+        conn.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}})
+        reply = await conn.read()
+        assert reply["result"]["status"] == "cancelled"
+        assert "before it started" in reply["result"]["content"][0]["text"]
+        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 0]>"
+
+
+def test_disconnect_cancels_calls_in_flight(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        await aborted.wait()
+        return {"status": "ok", "content": [], "isError": False}
+
+    @serving(tmp_path, handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        await asyncio.sleep(0.02)
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+        conn.writer.close()
+        await asyncio.sleep(0.05)
+        sandbox = next(iter(h.backend.sandboxes.values()))
+        assert sandbox.cancel_reasons == ["client disconnected"]
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+
+
+def test_crash_is_reported_and_replaced(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        raise SandboxFailed("The tool ran out of memory: its sandbox is limited to 256m and was killed.")
+
+    @serving(tmp_path, handler, pool={"min_idle": 1})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
+        assert reply["result"]["status"] == "crashed" and "memory" in reply["result"]["content"][0]["text"]
+        await asyncio.sleep(0.02)
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+
+
+def test_framing_and_error_codes(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler, max_message_bytes=2048)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        conn.send(b"{not json\n")
+        assert (await conn.read())["error"]["code"] == -32700
+        conn.send(b"\xff\xfe\n")
+        assert (await conn.read())["error"]["code"] == -32700
+        conn.send(b"[" * 100000 + b"\n")
+        conn.send(b'{"jsonrpc":"2.0","id":1,"method":"ping"}\n')
+        first = await conn.read()
+        assert first["error"]["code"] == -32600  # over the size limit, skipped
+        assert (await conn.read()) == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        conn.send(b'[{"jsonrpc":"2.0","id":2,"method":"ping"}]\n')
+        assert (await conn.read())["error"]["code"] == -32600
+        conn.send(b'{"jsonrpc":"1.0","id":3,"method":"ping"}\n')
+        assert (await conn.read()) ["error"]["code"] == -32600
+        assert (await conn.request("nope", request_id=4))["error"]["code"] == -32601
+        bad = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": 5, "x": 1}}, request_id=5)
+        assert bad["error"]["code"] == -32602 and "x" in bad["error"]["message"]
+        secret = await conn.request("tools/call", {"user": USER, "name": "hello",
+                                                   "arguments": {"token": ["hunter22"]}}, request_id=6)
+        assert secret["error"]["code"] == -32602 and "hunter22" not in json.dumps(secret)
+        assert (await conn.request("ping", request_id=7))["result"] == {}
+
+
+def test_reused_id_in_flight_is_refused(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        await asyncio.sleep(0.1)
+        return {"status": "ok", "content": [], "isError": False}
+
+    @serving(tmp_path, handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        params = {"user": USER, "name": "hello", "arguments": {"name": "x"}}
+        for _ in range(2):
+            conn.send({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params})
+        first, second = await conn.read(), await conn.read()
+        assert first["error"]["code"] == -32602 and "already used" in first["error"]["message"]
+        assert second["result"]["status"] == "ok"
+
+
+def test_backend_down_is_32002_and_recovers(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        h.backend.unavailable()
+        conn = await h.connect()
+        params = {"user": USER, "name": "hello", "arguments": {"name": "x"}}
+        assert (await conn.request("tools/call", params))["error"]["code"] == -32002
+        h.backend.start_error = None
+        assert (await conn.request("tools/call", params, request_id=2))["result"]["status"] == "ok"
+
+
+def test_shutdown_refuses_new_calls(tmp_path: Path) -> None:
+    async def main() -> None:
+        hello_tree(tmp_path / "data")
+        cfg = load_config(overrides={"data_path": tmp_path / "data", "socket": tmp_path / "s.sock",
+                                     "seed_tools": None}, environ={})
+        server = Server(cfg, FakeBackend(ok_handler))
+        await server.startup()
+        reader, writer = await asyncio.open_unix_connection(str(cfg.socket))
+        conn = Conn(reader, writer)
+        server.stopping = True
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
+        assert reply["error"]["code"] == -32002 and "shutting down" in reply["error"]["message"]
+        server.stopping = False
+        await server.shutdown()
+        assert not cfg.socket.exists()
+
+    asyncio.run(main())
