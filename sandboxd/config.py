@@ -82,7 +82,8 @@ class SandboxConfig(_Section):
     pids_limit: int = Field(128, ge=8, description="Most processes and threads a sandbox may have.")
     tmp_size: str = Field("64m", description="Size of the tmpfs on /tmp.")
     read_only_root: bool = Field(True, description="Mount the image's filesystem read-only.")
-    user: str = Field("auto", description="uid:gid the tool runs as; auto = the daemon's, or 1000:1000 when root.")
+    user: str = Field("auto", pattern=r"^(auto|\d+:\d+)$",
+                      description="uid:gid the tool runs as; auto = the daemon's, or 1000:1000 when root.")
     runtime: str | None = Field(None, description="OCI runtime, e.g. runsc for gVisor.")
     cap_add: list[str] = Field(default_factory=list, description="Capabilities given back after dropping ALL.")
     no_new_privileges: bool = Field(True, description="Forbid gaining privileges through setuid binaries.")

@@ -250,7 +250,9 @@ class DockerBackend:
             Mount(CONTAINER_USER_TOOLS, str(spec.user_tools_dir), type="bind", read_only=True),
         ]
         # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
-        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}", "/officer/data": "rw,nosuid,nodev,size=16m"}
+        uid, gid = self.user.split(":")
+        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}",
+                 "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
         if spec.email_db is not None and spec.email_db.is_file():
             mounts.append(Mount(CONTAINER_EMAIL_DB, str(spec.email_db), type="bind", read_only=False))
         host_config = self.api().create_host_config(

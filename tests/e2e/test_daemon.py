@@ -394,3 +394,49 @@ def test_sigkill_leaves_orphans_that_the_next_start_removes(make_daemon: Any, do
     assert daemon.containers(docker_api) == []
     with daemon.client() as client:
         assert call(client, "hello", {"name": "back"})["status"] == "ok"
+
+
+def test_socket_is_0660(daemon: Daemon) -> None:
+    assert daemon.socket.stat().st_mode & 0o777 == 0o660
+
+
+def test_email_db_is_mounted_read_write_when_it_exists(daemon: Daemon) -> None:
+    db = daemon.user_dir(A) / "emails.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["python3", "-c", f"import sqlite3; c = sqlite3.connect({str(db)!r}); "
+                    "c.execute('create table m (s text)'); c.execute(\"insert into m values ('hi')\"); c.commit()"],
+                   check=True)
+    db.chmod(0o666)
+    write_tool(daemon.data / "tools", "email_count", """
+import { execFileSync } from 'node:child_process';
+export async function execute() {
+  const db = process.env.OFFICER_EMAIL_DB!;
+  execFileSync('sqlite3', [db, "insert into m values ('from the sandbox')"]);
+  const n = execFileSync('sqlite3', [db, 'select count(*) from m'], { encoding: 'utf-8' }).trim();
+  return { content: [{ type: 'text', text: n }] };
+}
+""")
+    with daemon.client() as client:
+        result = call(client, "email_count")
+        assert result["status"] == "ok", result
+        assert result["content"][0]["text"] == "2"
+        # No database for bob: the path is simply absent.
+        report = call(client, "fs_probe", {"read": "/officer/data/emails.db"}, user=B)["details"]
+        assert report["read /officer/data/emails.db"] == "ENOENT"
+    import sqlite3
+
+    rows = sqlite3.connect(db).execute("select s from m").fetchall()
+    assert ("from the sandbox",) in rows
+
+
+def test_cli_ctrl_c_cancels_the_call(daemon: Daemon) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandboxd", "call", "--socket", str(daemon.socket), "--user", A, "sleeper", "--arg", "ms=30000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert "aborted after" in out and "cancelled with Ctrl-C" in out
+    assert "status cancelled" in err
