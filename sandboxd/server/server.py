@@ -66,6 +66,7 @@ class Server:
         self._listener: asyncio.AbstractServer | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._orphans_removed = False
+        self._orphan_warning_logged = False
 
     def spec_for(self, user: str) -> SandboxSpec:
         data = self.config.data_path
@@ -123,7 +124,10 @@ class Server:
         try:
             removed = await self.backend.remove_orphans()
         except Exception as exc:
-            log.warning("orphan_cleanup_deferred", error=str(exc))
+            # Retried every maintenance tick until the engine answers; said once.
+            if not self._orphan_warning_logged:
+                log.warning("orphan_cleanup_deferred", error=str(exc))
+                self._orphan_warning_logged = True
             return
         self._orphans_removed = True
         if removed:
