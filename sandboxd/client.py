@@ -55,7 +55,10 @@ class Client:
 
     def read_message(self) -> dict[str, Any]:
         while b"\n" not in self._buffer:
-            chunk = self._sock.recv(1 << 16)
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except ConnectionResetError:
+                chunk = b""  # closed with our request unread (e.g. a refused peer): same as a close
             if not chunk:
                 raise DaemonUnreachable("sandboxd closed the connection.")
             self._buffer += chunk
@@ -94,7 +97,9 @@ class Client:
                 if on_progress is not None:
                     on_progress(reply.get("params") or {})
                 continue
-            if reply.get("id") != request_id:
+            # An error with id null could not be tied to a request (a refused connection,
+            # an unparsable line); the request we are waiting on is the one that failed.
+            if reply.get("id") != request_id and not ("error" in reply and reply.get("id") is None):
                 continue
             if "error" in reply:
                 error = reply["error"]

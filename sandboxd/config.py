@@ -8,9 +8,12 @@ start-up with the key's name. Every key is documented in docs/config.md.
 
 from __future__ import annotations
 
+import grp
+import ipaddress
 import os
+import pwd
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -92,12 +95,64 @@ class SandboxConfig(_Section):
     docker_host: str | None = Field(None, description="Docker engine URL; default DOCKER_HOST or the local socket.")
 
 
+def parse_listen_address(value: str) -> tuple[str, int] | Path:
+    """A metrics address: ``HOST:PORT`` on a loopback address (``[::1]:PORT`` for IPv6), or an absolute socket path."""
+    if value.startswith("/"):
+        return Path(value)
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{value!r} is neither HOST:PORT nor an absolute unix socket path; e.g. '127.0.0.1:9464' or '/run/sandboxd/metrics.sock'")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        host = "127.0.0.1"
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{port_text!r} in {value!r} is not a port number (0-65535)")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address; metrics listen on loopback only, e.g. '127.0.0.1:9464'") from None
+    if not address.is_loopback:
+        # Metrics describe users' activity; exporting them further is a proxy's job.
+        raise ValueError(f"{host} is not a loopback address; metrics are served on 127.0.0.0/8 or ::1 only (or a unix socket)")
+    return str(address), int(port_text)
+
+
+class MetricsConfig(_Section):
+    listen: str | None = Field(None, description="Where Prometheus metrics are served: HOST:PORT on loopback, or a unix socket path; null = off.")
+
+    @field_validator("listen", mode="after")
+    @classmethod
+    def _loopback_or_path(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_listen_address(value)
+        return value
+
+
+def _resolve_ids(value: Any, lookup: Callable[[str], int], kind: str) -> Any:
+    """A list of numeric ids or names (one bare item is a list of one) → numeric ids."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    ids = []
+    for item in items:
+        if isinstance(item, str) and not item.strip().isdigit():
+            try:
+                item = lookup(item.strip())
+            except KeyError:
+                raise ValueError(f"there is no {kind} named {item!r} on this host; give a numeric id or create the {kind}") from None
+        ids.append(item)
+    return ids
+
+
 class Config(_Section):
     data_path: Path = Field(default_factory=default_data_path, description="Root of tools and user data.")
     seed_tools: Path | None = Field(default_factory=default_seed_tools, description="Seed tools synced into DATA_PATH/tools at start.")
     socket: Path = Field(default_factory=default_socket_path, description="Unix socket the daemon listens on.")
     socket_mode: int = Field(0o660, description="File mode of the socket (octal in YAML: '0660').")
     socket_group: str | None = Field(None, description="Group that owns the socket.")
+    allowed_uids: list[int] = Field(default_factory=list, description="Users (uid or name) whose connections are served, besides root and the daemon's own user; both lists empty = anyone who can open the socket.")
+    allowed_gids: list[int] = Field(default_factory=list, description="Groups (gid or name) whose members' connections are served (primary or supplementary group).")
     backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
@@ -105,6 +160,17 @@ class Config(_Section):
     calls: CallsConfig = Field(default_factory=CallsConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @field_validator("allowed_uids", mode="before")
+    @classmethod
+    def _uids(cls, value: Any) -> Any:
+        return _resolve_ids(value, lambda name: pwd.getpwnam(name).pw_uid, "user")
+
+    @field_validator("allowed_gids", mode="before")
+    @classmethod
+    def _gids(cls, value: Any) -> Any:
+        return _resolve_ids(value, lambda name: grp.getgrnam(name).gr_gid, "group")
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -142,8 +208,12 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             if env_name == "SANDBOXD_CONFIG":
                 continue
             raise ConfigError(f"{env_name} is not a configuration key; see docs/config.md for the names.")
-        # YAML parsing gives lists, numbers and booleans their natural spelling.
-        value = yaml.safe_load(raw) if raw.strip() else None
+        # YAML parsing gives lists, numbers and booleans their natural spelling;
+        # what is not YAML at all (e.g. "[::1]:9464") is meant as a plain string.
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
         target = out
         for part in path[:-1]:
             target = target.setdefault(part, {})
@@ -192,6 +262,11 @@ def load_config(
             loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; pass an existing file to --config.") from None
+        except PermissionError:
+            raise ConfigError(
+                f"config file {path} is not readable by this user; run as root or a member of its group "
+                "(sandboxd), or pass another file with --config."
+            ) from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -224,3 +299,31 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
         env = "SANDBOXD_" + dotted.replace(".", "_").upper()
         rows.append((dotted, env, default, field.description or ""))
     return rows
+
+
+# What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
+# matches an entry exactly or by its section prefix; every other key needs a restart.
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids")
+# Exceptions inside live sections: fixed when the backend is built.
+RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")
+
+
+def needs_restart(key: str) -> bool:
+    if key in RESTART_KEYS:
+        return True
+    return not any(key == live or (live.endswith(".") and key.startswith(live)) for live in LIVE_KEYS)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """Dotted key → value, the keys docs/config.md lists."""
+    flat: dict[str, Any] = {}
+
+    def walk(data: Mapping[str, Any], prefix: str) -> None:
+        for key, value in data.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(config.model_dump(), "")
+    return flat

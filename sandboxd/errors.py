@@ -55,3 +55,9 @@ class ShuttingDown(SandboxdError):
     """The daemon is stopping and takes no new calls."""
 
     code = -32002
+
+
+class PeerRefused(SandboxdError):
+    """The process on the other end of a connection is not allowed by allowed_uids/allowed_gids."""
+
+    code = -32003

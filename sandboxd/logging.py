@@ -80,5 +80,10 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
     )
 
 
+def set_log_level(level: str) -> None:
+    """Change the lowest level logged, keeping the rest of the setup (on reload)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())))
+
+
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)

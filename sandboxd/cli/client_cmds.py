@@ -111,14 +111,31 @@ def run_status(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return EXIT_OK
-    pool = status["pool"]
-    print(f"sandboxd {status['version']} — backend {status['backend']}"
-          + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
-          + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight")
-    totals = pool["totals"]
-    print(f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting; {totals['waiting']} calls queued")
-    for user, row in sorted(pool["users"].items()):
-        print(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, {row['waiting']} queued")
-    if status.get("calls"):
-        print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(status["calls"].items())))
+    print(format_status(status))
     return EXIT_OK
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """sandbox/status for a person: one line per topic, a line per user with sandboxes."""
+    pool, limits = status["pool"], status.get("limits", {})
+    totals, counters = pool["totals"], pool.get("counters", {})
+    lines = [
+        f"sandboxd {status['version']} — backend {status['backend']}"
+        + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
+        + (" — STOPPING" if status.get("stopping") else "")
+        + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight",
+        f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting; {totals['waiting']} calls queued",
+    ]
+    for user, row in sorted(pool["users"].items()):
+        lines.append(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, {row['waiting']} queued")
+    if counters:
+        lines.append(f"lifecycle: {counters.get('started', 0)} started, {counters.get('destroyed', 0)} destroyed, "
+                     f"{counters.get('killed', 0)} killed, {counters.get('crashed', 0)} crashed, "
+                     f"{counters.get('start_failures', 0)} failed to start")
+    calls = status.get("calls") or {}
+    lines.append("calls: " + (", ".join(f"{k} {v}" for k, v in sorted(calls.items())) if calls else "none yet"))
+    if limits:
+        lines.append(f"limits: {limits['maxPerUser']} sandboxes per user, {limits['maxTotal']} in all, "
+                     f"{limits['minIdle']} kept warm for {limits['idleTtlS']:g} s; "
+                     f"call timeout {limits['defaultTimeoutMs']} ms (at most {limits['maxTimeoutMs']} ms)")
+    return "\n".join(lines)

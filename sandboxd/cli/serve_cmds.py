@@ -6,8 +6,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, fail
-from sandboxd.config import Config
+from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
+from sandboxd.config import Config, load_config
 from sandboxd.logging import configure_logging
 
 
@@ -15,7 +15,8 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     p = subparsers.add_parser(
         "serve", parents=[parent], help="run the daemon",
         description="Sync the seed tools into DATA_PATH/tools, then serve the wire protocol on a unix socket "
-                    "until SIGTERM or SIGINT.",
+                    "until SIGTERM or SIGINT. SIGHUP re-reads the configuration. Under systemd it reports readiness "
+                    "(Type=notify) and takes the socket from sandboxd.socket when socket-activated.",
     )
     p.add_argument("--socket", type=Path, metavar="PATH", help="unix socket to listen on")
     p.add_argument("--seed-tools", type=Path, metavar="DIR", help="seed tools to sync at start")
@@ -26,10 +27,17 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
 
 def run_serve(args: argparse.Namespace, config: Config) -> int:
     from sandboxd.server.server import serve
+    from sandboxd.service.systemd import listen_socket
 
     configure_logging(config.log_level, config.log_format)
+
+    def reload_config() -> Config:
+        # The same sources as at start-up: the file, SANDBOXD_* variables, then these flags.
+        return load_config(args.config, overrides=config_overrides(args))
+
     try:
-        asyncio.run(serve(config))
+        activated = listen_socket()  # the socket of sandboxd.socket, when systemd passed one
+        asyncio.run(serve(config, listen_socket=activated, reload_config=reload_config))
     except OSError as exc:
         return fail(str(exc), EXIT_FAILURE)
     return EXIT_OK

@@ -12,7 +12,8 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from sandboxd.errors import InvalidParams, SandboxdError
+from sandboxd import strictjson
+from sandboxd.errors import InvalidParams, PeerRefused, SandboxdError
 from sandboxd.logging import get_logger
 from sandboxd.server.calls import CallContext, parse_call_params, result, text
 
@@ -48,6 +49,14 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        refusal = self.server.peer_policy.refusal(transport.get_extra_info("socket"))
+        if refusal is not None:
+            # One error line, then the door: a refused peer never reaches dispatch.
+            self.closed = True
+            error = {"code": PeerRefused.code, "message": refusal}
+            self.transport.write(encode({"jsonrpc": "2.0", "id": None, "error": error}))
+            self.transport.close()
+            return
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         self.server.connections.add(self)
 
@@ -115,7 +124,7 @@ class Connection(asyncio.Protocol):
         if not line.strip():
             return
         try:
-            message = json.loads(line)
+            message = strictjson.loads(line)
         except UnicodeDecodeError:
             return self.send_error(None, PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.")
         except RecursionError:
@@ -145,7 +154,10 @@ class Connection(asyncio.Protocol):
 
     def handle_notification(self, method: str, params: Any) -> None:
         if method == "notifications/cancelled" and isinstance(params, dict):
-            ctx = self.calls.get(params.get("requestId"))
+            request_id = params.get("requestId")
+            # Only ids a request can have; a list or an object would not even hash.
+            valid = isinstance(request_id, (str, int, float)) and not isinstance(request_id, bool)
+            ctx = self.calls.get(request_id) if valid else None
             if ctx is not None:
                 reason = params.get("reason")
                 ctx.cancel(reason if isinstance(reason, str) and reason else "cancelled by the client")

@@ -13,16 +13,19 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sandboxd import __version__
-from sandboxd.config import Config
-from sandboxd.errors import ShuttingDown
-from sandboxd.logging import get_logger
+from sandboxd.config import Config, flatten, needs_restart
+from sandboxd.errors import ConfigError, ShuttingDown
+from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallRunner
 from sandboxd.server.connection import Connection
+from sandboxd.service import systemd
+from sandboxd.service.metrics import Metrics
+from sandboxd.service.peercred import PeerPolicy
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
 from sandboxd.users import global_tools_dir, user_dir, user_tools_dir
@@ -67,6 +70,11 @@ class Server:
         self._maintenance: asyncio.Task[None] | None = None
         self._orphans_removed = False
         self._orphan_warning_logged = False
+        self.orphans_reaped = 0
+        self.peer_policy = PeerPolicy.from_config(config)
+        self.metrics = Metrics(self)
+        self.runner.on_call = self.metrics.observe_call
+        self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
 
     def spec_for(self, user: str) -> SandboxSpec:
         data = self.config.data_path
@@ -88,10 +96,23 @@ class Server:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self._remove_orphans()
+        if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
+            await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
+        self._owns_socket_file = listen_socket is None
         sock = listen_socket or self._bind_socket()
         self._listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock)
         self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
-        log.info("listening", socket=str(cfg.socket), backend=self.backend.name, data_path=str(cfg.data_path), version=__version__)
+        address = sock.getsockname() or "(unnamed)"
+        if address != str(cfg.socket):
+            # Clients (and `sandboxd status`) look for `socket`; a mismatch means they will not find us.
+            log.warning("socket_mismatch", listening=address, configured=str(cfg.socket),
+                        hint="set `socket` to the ListenStream= path of sandboxd.socket")
+        log.info("listening", socket=address, activated=listen_socket is not None, backend=self.backend.name,
+                 data_path=str(cfg.data_path), version=__version__, peer_check=self.peer_policy.restricted)
+        if self.backend.name == "process":
+            log.warning("UNSANDBOXED", backend="process",
+                        detail="tools run as local node processes with this daemon's rights and see the host "
+                               "filesystem; for development only, never for untrusted tools")
 
     def _bind_socket(self) -> socket.socket:
         path = self.config.socket
@@ -130,6 +151,7 @@ class Server:
                 self._orphan_warning_logged = True
             return
         self._orphans_removed = True
+        self.orphans_reaped += removed
         if removed:
             log.info("orphans_removed", count=removed)
 
@@ -165,6 +187,59 @@ class Server:
             },
         }
 
+    def describe(self) -> str:
+        """One line for systemd's STATUS= (shown by `systemctl status sandboxd`)."""
+        totals = self.pool.status()["totals"]
+        state = "stopping" if self.stopping else f"serving on {self.config.socket}"
+        return (f"{state}: {len(self.calls_in_flight)} calls in flight, {totals['waiting']} queued; sandboxes "
+                f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting")
+
+    # -- reload ------------------------------------------------------------------
+
+    def reload(self, load: Callable[[], Config]) -> bool:
+        """Re-read the configuration and apply what can change live; a bad file keeps the old config."""
+        try:
+            new = load()
+        except ConfigError as exc:
+            log.error("config_reload_failed", error=exc.message, hint="the running configuration is unchanged")
+            return False
+        self.apply_config(new)
+        return True
+
+    def apply_config(self, new: Config) -> tuple[list[str], list[str]]:
+        """Swap in ``new`` except the keys that need a restart; returns (applied, needing a restart).
+
+        Runs on the event loop, between callbacks, so no call sees half a change: the
+        pool and the runner read their config afresh at every decision.
+        """
+        old_values, new_values = flatten(self.config), flatten(new)
+        changed = [key for key, value in new_values.items() if old_values.get(key) != value]
+        applied = [key for key in changed if not needs_restart(key)]
+        ignored = [key for key in changed if needs_restart(key)]
+        merged = new.model_dump()
+        for key in ignored:
+            *sections, leaf = key.split(".")
+            target = merged
+            for section in sections:
+                target = target[section]
+            target[leaf] = old_values[key]
+        effective = Config.model_validate(merged)
+        self.config = self.runner.config = effective
+        self.pool.config = effective.pool
+        self.peer_policy = PeerPolicy.from_config(effective)
+        if "log_level" in applied:
+            set_log_level(effective.log_level)
+        if any(key.startswith("sandbox.") for key in applied):
+            reconfigure = getattr(self.backend, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(effective.sandbox)
+            self.pool.retire_all()  # every later call runs under the new sandbox settings
+        self.pool.maintain()  # new limits and min_idle take effect now, not at the next tick
+        log.info("config_reloaded", applied=applied, needs_restart=ignored)
+        if ignored:
+            log.warning("config_needs_restart", keys=ignored, hint="restart sandboxd (systemctl restart sandboxd) to apply these")
+        return applied, ignored
+
     def shutting_down_error(self) -> ShuttingDown:
         return ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
 
@@ -177,10 +252,9 @@ class Server:
         # 1. Stop accepting connections, and remove the socket file so clients fail fast.
         if self._listener is not None:
             self._listener.close()
-            try:
-                self.config.socket.unlink()
-            except FileNotFoundError:
-                pass
+            if self._owns_socket_file:
+                self.config.socket.unlink(missing_ok=True)
+        await self.metrics.close()
         if self._maintenance is not None:
             self._maintenance.cancel()
         # 2. Let calls in flight finish, up to the grace period.
@@ -205,21 +279,46 @@ class Server:
 
 
 async def serve(config: Config, backend: Backend | None = None, *, listen_socket: socket.socket | None = None,
-                ready: Any = None) -> None:
-    """Run until SIGTERM or SIGINT. ``ready`` is called once the socket listens."""
+                ready: Any = None, reload_config: Callable[[], Config] | None = None) -> None:
+    """Run until SIGTERM or SIGINT; SIGHUP reloads via ``reload_config``. ``ready`` is called once the socket listens.
+
+    Under systemd (Type=notify) it reports READY=1 once the seed sync is done and the
+    socket listens, RELOADING=1/READY=1 around a reload, STOPPING=1 at shutdown, and
+    feeds the watchdog when WatchdogSec= is set.
+    """
     server = Server(config, backend)
+    notifier = systemd.Notifier.from_environ()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_hangup() -> None:
+        if reload_config is None:
+            log.warning("reload_unavailable", hint="this daemon was started without a configuration source to re-read")
+            return
+        notifier.reloading()
+        server.reload(reload_config)
+        notifier.ready(server.describe())
+
     # Installed for the whole run: a second signal during shutdown must not kill the
     # daemon half-way (its containers would be left behind); shutdown is bounded anyway.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)  # unhandled, SIGHUP would kill the daemon
+    supervisor: asyncio.Task[None] | None = None
     try:
+        notifier.status("starting: syncing seed tools, removing orphaned sandboxes")
         await server.startup(listen_socket)
+        notifier.ready(server.describe())
+        if notifier.enabled:
+            supervisor = loop.create_task(systemd.supervise(notifier, server.describe, systemd.watchdog_interval()))
         if ready is not None:
             ready(server)
         await stop.wait()
+        notifier.stopping(f"stopping: letting {len(server.calls_in_flight)} calls finish")
         await server.shutdown()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        if supervisor is not None:
+            supervisor.cancel()
+        notifier.close()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)

@@ -1,0 +1,188 @@
+"""Prometheus metrics, served on a loopback address or a unix socket (``metrics.listen``).
+
+Two kinds of numbers:
+
+- per call, observed by the call runner as each call ends (one counter
+  increment and two histogram observations: cheap enough for the hot path);
+- state the daemon already keeps (pool sizes, sandbox lifecycle counters,
+  orphans reaped), read by a collector at scrape time, so nothing is counted twice.
+
+The endpoint is a minimal HTTP/1.1 responder on the daemon's own event loop
+rather than prometheus-client's threaded server: it can listen on a unix
+socket, and collection reads loop-owned state from the loop, never from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sandboxd import __version__
+from sandboxd.config import parse_listen_address
+from sandboxd.logging import get_logger
+
+if TYPE_CHECKING:
+    from sandboxd.server.server import Server
+
+log = get_logger("sandboxd.metrics")
+
+# `_created` series double every counter for a feature no dashboard here uses.
+disable_created_metrics()
+
+CALL_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_REQUEST_TIMEOUT_S = 5.0
+_MAX_REQUEST_HEAD = 16 << 10
+
+
+class _ServerCollector:
+    """Reads the daemon's own bookkeeping at scrape time."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server
+        status = server.pool.status()
+        sandboxes = GaugeMetricFamily("sandboxd_sandboxes", "Sandboxes held, by state.", labels=["state"])
+        for state in ("starting", "idle", "busy"):
+            sandboxes.add_metric([state], status["totals"][state])
+        yield sandboxes
+        yield GaugeMetricFamily("sandboxd_calls_queued", "Calls waiting for a sandbox.", value=status["totals"]["waiting"])
+        yield GaugeMetricFamily("sandboxd_calls_in_flight", "Calls accepted and not yet answered.", value=len(server.calls_in_flight))
+        yield GaugeMetricFamily("sandboxd_connections", "Open client connections.", value=len(server.connections))
+        counters = status["counters"]
+        for name, key, help_text in (
+            ("sandboxd_sandbox_starts", "started", "Sandboxes started."),
+            ("sandboxd_sandbox_start_failures", "start_failures", "Sandbox starts that failed or timed out."),
+            ("sandboxd_sandbox_kills", "killed", "Sandboxes killed mid-call: timeouts and cancels past the grace."),
+            ("sandboxd_sandbox_crashes", "crashed", "Sandboxes that died by themselves: memory limit, exit, engine."),
+            ("sandboxd_sandboxes_destroyed", "destroyed", "Sandboxes removed for any reason, recycling included."),
+        ):
+            yield CounterMetricFamily(name, help_text, value=counters.get(key, 0))
+        yield CounterMetricFamily("sandboxd_orphans_reaped", "Containers left by an earlier run, removed at start-up.",
+                                  value=server.orphans_reaped)
+        info = GaugeMetricFamily("sandboxd_build_info", "Always 1; the labels say what runs.", labels=["version", "backend"])
+        info.add_metric([__version__, server.backend.name], 1)
+        yield info
+
+
+class Metrics:
+    def __init__(self, server: Server) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter("sandboxd_calls", "Tool calls answered, by tool and status.", ["tool", "status"],
+                             registry=self.registry)
+        self.call_seconds = Histogram("sandboxd_call_duration_seconds", "Time from a call's arrival to its answer.",
+                                      ["tool"], buckets=CALL_SECONDS_BUCKETS, registry=self.registry)
+        self.queue_seconds = Histogram("sandboxd_queue_wait_seconds", "Time a call waited for a sandbox.",
+                                       buckets=QUEUE_SECONDS_BUCKETS, registry=self.registry)
+        self.registry.register(_ServerCollector(server))
+        ProcessCollector(registry=self.registry)
+        self._server = server
+        self._listener: asyncio.AbstractServer | None = None
+        self._socket_path: Path | None = None
+
+    def observe_call(self, tool: str, status: str, duration_s: float, queue_wait_s: float | None) -> None:
+        self.calls.labels(tool, status).inc()
+        self.call_seconds.labels(tool).observe(duration_s)
+        if queue_wait_s is not None:
+            self.queue_seconds.observe(queue_wait_s)
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition (text, or OpenMetrics when the scraper asks for it) and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+    # -- the endpoint ------------------------------------------------------------
+
+    async def start(self, listen: str, *, socket_group: str | None = None) -> str:
+        """Serve /metrics on ``listen``; returns the address actually bound (port 0 picks one)."""
+        address = parse_listen_address(listen)
+        if isinstance(address, Path):
+            self._listener = await asyncio.start_unix_server(self._handle, sock=_bind_unix(address, socket_group))
+            self._socket_path = address
+            bound = str(address)
+        else:
+            host, port = address
+            self._listener = await asyncio.start_server(self._handle, host, port)
+            name = self._listener.sockets[0].getsockname()
+            bound = f"[{name[0]}]:{name[1]}" if ":" in name[0] else f"{name[0]}:{name[1]}"
+        log.info("metrics_listening", address=bound)
+        return bound
+
+    async def close(self) -> None:
+        if self._listener is None:
+            return
+        self._listener.close()
+        self._listener = None
+        if self._socket_path is not None:
+            self._socket_path.unlink(missing_ok=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+            status, body, content_type = self._respond(head)
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode() + body
+            )
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a scraper that went away or never finished its request: nothing to answer
+        except Exception:
+            log.exception("metrics_request_failed")
+        finally:
+            writer.close()
+
+    def _respond(self, head: bytes) -> tuple[str, bytes, str]:
+        if len(head) > _MAX_REQUEST_HEAD:
+            return "431 Request Header Fields Too Large", b"request head too large\n", "text/plain"
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3:
+            return "400 Bad Request", b"malformed request line\n", "text/plain"
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method != "GET":
+            return "405 Method Not Allowed", b"only GET /metrics\n", "text/plain"
+        if target not in ("/metrics", "/"):
+            return "404 Not Found", b"metrics are at /metrics\n", "text/plain"
+        accept = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("accept:")), "")
+        body, content_type = self.render(accept)
+        return "200 OK", body, content_type
+
+
+def _bind_unix(path: Path, group: str | None) -> socket.socket:
+    """Bind a unix socket with mode 0660 (group ``group``) from the first instant; replace a stale file."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            probe.close()
+            raise OSError(f"something already serves {path}; choose another metrics.listen or stop it.")
+        probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    if group:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    os.chmod(path, 0o660)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+

@@ -1,0 +1,122 @@
+"""Reload: what a SIGHUP may change live, what it keeps until a restart, and a bad file."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.config import Config, load_config, needs_restart
+from sandboxd.logging import configure_logging, get_logger
+from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.server.server import Server
+from tests.unit.test_metrics import call, handler
+from tests.unit.test_server import hello_tree
+
+
+@pytest.mark.parametrize(
+    "key, restart",
+    [
+        ("pool.max_per_user", False), ("pool.idle_ttl_s", False), ("calls.default_timeout_ms", False),
+        ("calls.allowed_env", False), ("sandbox.memory", False), ("log_level", False), ("allowed_uids", False),
+        ("calls.max_result_bytes", True), ("sandbox.docker_host", True), ("socket", True), ("data_path", True),
+        ("backend", True), ("metrics.listen", True), ("log_format", True), ("socket_group", True),
+        ("some_future_key", True),  # unknown keys are never applied live
+    ],
+)
+def test_which_keys_need_a_restart(key: str, restart: bool) -> None:
+    assert needs_restart(key) is restart
+
+
+def run(tmp_path: Path, test: Any, **settings: Any) -> None:
+    base = {"data_path": tmp_path / "data", "socket": Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock",
+            "seed_tools": None, "backend": "fake"}
+
+    def configure(**changes: Any) -> Config:
+        return load_config(environ={}, overrides=base | settings | changes)
+
+    async def main() -> None:
+        hello_tree(tmp_path / "data")
+        server = Server(configure(), FakeBackend(handler))
+        await server.startup()
+        try:
+            await test(server, configure)
+        finally:
+            await server.shutdown()
+
+    asyncio.run(main())
+
+
+def test_live_keys_apply_and_restart_keys_are_kept(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+
+    async def test(server: Server, configure: Any) -> None:
+        socket_path = server.config.socket
+        applied, ignored = server.apply_config(configure(
+            pool={"max_per_user": 7, "min_idle": 0}, calls={"default_timeout_ms": 1234, "max_result_bytes": 4096},
+            allowed_uids=[4321], log_level="debug", socket=socket_path.parent / "other.sock",
+            metrics={"listen": "127.0.0.1:0"},
+        ))
+        assert sorted(applied) == ["allowed_uids", "calls.default_timeout_ms", "log_level", "pool.max_per_user", "pool.min_idle"]
+        assert sorted(ignored) == ["calls.max_result_bytes", "metrics.listen", "socket"]
+        # The server, runner and pool all see the same, merged configuration.
+        assert server.runner.config is server.config and server.pool.config is server.config.pool
+        assert server.config.pool.max_per_user == 7 and server.config.calls.default_timeout_ms == 1234
+        assert server.config.socket == socket_path and server.config.calls.max_result_bytes == 1 << 20
+        assert server.config.metrics.listen is None
+        assert server.peer_policy.uids == {4321}
+        assert server.status()["limits"]["maxPerUser"] == 7
+        get_logger("test").debug("now_visible")
+
+    run(tmp_path, test)
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    reload_event = next(e for e in events if e["event"] == "config_reloaded")
+    assert "pool.max_per_user" in reload_event["applied"]
+    warning = next(e for e in events if e["event"] == "config_needs_restart")
+    assert sorted(warning["keys"]) == sorted(reload_event["needs_restart"]) == ["calls.max_result_bytes", "metrics.listen", "socket"]
+    assert warning["level"] == "warning"
+    assert any(e["event"] == "now_visible" for e in events)
+
+
+def test_new_sandbox_settings_replace_idle_sandboxes_now_and_busy_ones_after_their_call(tmp_path: Path) -> None:
+    async def test(server: Server, configure: Any) -> None:
+        backend = server.backend
+        await call(server, "World")  # leaves one idle sandbox (min_idle 1)
+        slow = asyncio.get_running_loop().create_task(call(server, "slow", timeoutMs=200))
+        await asyncio.sleep(0.05)  # the second sandbox is busy with the slow call
+        before = set(backend.sandboxes)
+        assert len(before) == 2
+        server.apply_config(configure(sandbox={"memory": "512m"}, pool={"min_idle": 1}))
+        await asyncio.sleep(0.05)
+        assert len(backend.destroyed) == 1  # the idle one, at once
+        await slow  # times out: its sandbox goes too
+        await asyncio.sleep(0.05)
+        assert before.isdisjoint(backend.sandboxes)
+        assert len(backend.sandboxes) == 1  # min_idle, under the new settings
+
+    run(tmp_path, test, pool={"min_idle": 1})
+
+
+def test_a_bad_file_keeps_the_running_configuration(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pool:\n  max_per_user: 0\n")
+
+    async def test(server: Server, configure: Any) -> None:
+        before = server.config
+        assert server.reload(lambda: load_config(bad, environ={})) is False
+        assert server.config is before
+        assert server.reload(lambda: configure(pool={"max_per_user": 2})) is True
+        assert server.config.pool.max_per_user == 2
+
+    run(tmp_path, test)
+    failure = next(json.loads(line) for line in stream.getvalue().splitlines() if '"config_reload_failed"' in line)
+    assert "pool.max_per_user" in failure["error"] and failure["level"] == "error"
+
