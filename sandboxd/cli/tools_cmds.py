@@ -19,6 +19,7 @@ from sandboxd.tools.discovery import (
     shadow_problem,
     tool_dirs,
 )
+from sandboxd.tools.checks import check_entry_file, check_synced_copy
 from sandboxd.tools.manifest import MANIFEST_FILE, Problem, parse_manifest
 from sandboxd.tools.sync import sync_tools
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
@@ -57,10 +58,12 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
 
     validate = subparsers.add_parser(
         "validate", parents=[parent], help="check tools for problems",
-        description="Check tool directories, TOOL.md files or directories of tools; exit 1 on any error.")
+        description="Check tool directories, TOOL.md files or directories of tools: the manifest, the entry "
+                    "file's code (TOOLS.md's Common Mistakes) and, for tools that are synced, whether the copy in "
+                    "DATA_PATH/tools needs a version bump. Exit 1 on any error.")
     validate.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                           help="a tool directory, a TOOL.md, or a directory of tools")
-    validate.add_argument("--json", action="store_true", help='print {"problems": [...]}')
+    validate.add_argument("--json", action="store_true", help='print {"problems": [...], "errors": N, "warnings": N}')
     validate.set_defaults(handler=validate_command)
 
 
@@ -162,10 +165,10 @@ def sync_command(args: argparse.Namespace, config: Config) -> int:
 
 
 def validate_command(args: argparse.Namespace, config: Config) -> int:
-    problems = validate_paths(args.paths)
+    problems = validate_paths(args.paths, data_path=config.data_path)
     errors = sum(p.is_error for p in problems)
     if args.json:
-        _print_json({"problems": [p.to_dict() for p in problems]})
+        _print_json({"problems": [p.to_dict() for p in problems], "errors": errors, "warnings": len(problems) - errors})
     else:
         for problem in problems:
             print(problem)
@@ -174,8 +177,11 @@ def validate_command(args: argparse.Namespace, config: Config) -> int:
     return EXIT_FAILURE if errors else EXIT_OK
 
 
-def validate_paths(paths: Iterable[Path]) -> list[Problem]:
-    """Every problem of the tools at these paths: tool directories, TOOL.md files or directories of tools."""
+def validate_paths(paths: Iterable[Path], data_path: Path | None = None) -> list[Problem]:
+    """Every problem of the tools at these paths: tool directories, TOOL.md files or directories of tools.
+
+    With ``data_path``, each tool is also compared with its synced copy in DATA_PATH/tools.
+    """
     problems: list[Problem] = []
     for path in map(Path, paths):
         if not path.exists():
@@ -184,18 +190,28 @@ def validate_paths(paths: Iterable[Path]) -> list[Problem]:
         elif path.is_file():
             problems.extend(parse_manifest(path)[1])
         elif _is_tool_dir(path):
-            problems.extend(validate_tool_dir(path, root=path.parent)[1])
+            problems.extend(validate_tool_dir(path, root=path.parent, data_path=data_path)[1])
         else:
-            problems.extend(_validate_root(path))
+            problems.extend(_validate_root(path, data_path))
     return problems
 
 
-def validate_tool_dir(tool_dir: Path, root: Path) -> tuple[Tool | None, list[Problem]]:
-    """One tool directory's problems (the place to add checks of the entry file's code)."""
-    return inspect_tool_dir(tool_dir, root, "global")
+def validate_tool_dir(tool_dir: Path, root: Path, data_path: Path | None = None) -> tuple[Tool | None, list[Problem]]:
+    """One tool directory: its manifest, its entry file's code, and (with ``data_path``) its synced copy.
+
+    The tool is None when its manifest or files make it unusable; code findings are reported but,
+    like the loader, discovery does not look at the code.
+    """
+    tool, problems = inspect_tool_dir(tool_dir, root, "global")
+    entry = next((tool_dir / name for name in ENTRY_FILES if (tool_dir / name).is_file()), None)
+    if entry is not None:
+        problems.extend(check_entry_file(entry))
+    if tool is not None and data_path is not None:
+        problems.extend(check_synced_copy(tool_dir, data_path))
+    return tool, problems
 
 
-def _validate_root(root: Path) -> list[Problem]:
+def _validate_root(root: Path, data_path: Path | None = None) -> list[Problem]:
     candidates = tool_dirs(root)
     if not candidates:
         return [Problem(root, f"holds no {MANIFEST_FILE} and no tool directories",
@@ -203,7 +219,7 @@ def _validate_root(root: Path) -> list[Problem]:
     problems: list[Problem] = []
     by_name: dict[str, Tool] = {}
     for tool_dir in candidates:
-        tool, tool_problems = validate_tool_dir(tool_dir, root)
+        tool, tool_problems = validate_tool_dir(tool_dir, root, data_path)
         problems.extend(tool_problems)
         if tool is not None:
             if tool.name in by_name:

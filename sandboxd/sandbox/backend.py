@@ -40,6 +40,9 @@ class SandboxSpec:
     user_dir: Path  # DATA_PATH/<user>, read-write
     user_tools_dir: Path  # DATA_PATH/<user>/tools, read-only over user_dir
     email_db: Path | None  # mounted read-write when it exists
+    # (host path, sandbox path) pairs bound read-only on top; `sandboxd run` mounts the one tool
+    # it runs this way. The daemon never sets it: clients must not choose host paths.
+    read_only_mounts: tuple[tuple[Path, str], ...] = ()
 
 
 @dataclass(frozen=True)

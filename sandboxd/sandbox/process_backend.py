@@ -3,7 +3,12 @@
 For tool developers without Docker: the same shim, loader and protocol, but
 the tool runs with the developer's own rights and sees the host filesystem.
 The service never picks it unless configured (backend: process), and every
-output that comes from it says so.
+output that comes from it says so: `sandbox/status` has ``unsandboxed: true``,
+the daemon logs a warning at start, `sandboxd run` prints a banner.
+
+Nothing is mounted: the tool sees host paths (``PI_TOOLS_DIRS``, ``HOME`` and
+its entry file are the host directories of the SandboxSpec), and
+``read_only_mounts`` is ignored because entries are called by host path.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from sandboxd.sandbox.shim import ShimSandbox
 
 SHIM_MAIN = REPO_ROOT / "images" / "node" / "shim" / "src" / "main.js"
 UNSANDBOXED_NOTE = "UNSANDBOXED: the process backend runs tools as local node processes with your own rights"
+MIN_NODE_MAJOR = 20  # what the shim and the runner image are built for
 
 
 class ProcessSandbox(ShimSandbox):
@@ -71,6 +77,11 @@ class ProcessBackend:
     async def start(self, spec: SandboxSpec) -> ProcessSandbox:
         if not self.shim.is_file():
             raise BackendUnavailable(f"the shim is missing at {self.shim}; run `make setup` in the sandboxd checkout.")
+        esbuild = self.shim.parent.parent / "node_modules" / "esbuild"
+        if not esbuild.is_dir():
+            raise BackendUnavailable(
+                f"the shim's dependencies are not installed ({esbuild} is missing); run `make shim-deps` "
+                "in the sandboxd checkout.")
         for path in (spec.tools_dir, spec.user_dir, spec.user_tools_dir):
             path.mkdir(parents=True, exist_ok=True)
         env = {
@@ -95,10 +106,18 @@ class ProcessBackend:
         sandbox._pumps = [asyncio.create_task(sandbox.pump()), asyncio.create_task(sandbox.pump_stderr())]
         self._live.add(sandbox)
         try:
-            await sandbox.channel.ready
+            ready = await sandbox.channel.ready
+        except SandboxFailed:
+            await self.destroy(sandbox)
+            tail = " | ".join(sandbox.stderr_tail)
+            raise BackendUnavailable(f"the shim exited before it was ready: {tail or 'no output'}") from None
         except BaseException:
             await self.destroy(sandbox)
             raise
+        problem = _ready_problem(ready, self.node)
+        if problem is not None:
+            await self.destroy(sandbox)
+            raise BackendUnavailable(problem)
         return sandbox
 
     async def destroy(self, sandbox: Any) -> None:
@@ -124,3 +143,17 @@ class ProcessBackend:
     async def close(self) -> None:
         for sandbox in list(self._live):
             await self.destroy(sandbox)
+
+
+def _ready_problem(ready: dict[str, Any], node: str) -> str | None:
+    """Why a shim that said ready cannot be used (wrong protocol, a Node.js too old), or None."""
+    if ready.get("protocol") != 1:
+        return f"the shim at {SHIM_MAIN} speaks protocol {ready.get('protocol')!r}, not 1; update the checkout."
+    version = str(ready.get("node", ""))
+    try:
+        major = int(version.lstrip("v").split(".")[0])
+    except ValueError:
+        return None  # an odd version string is no reason to refuse
+    if major < MIN_NODE_MAJOR:
+        return f"{node} is Node.js {version}; tools need Node.js {MIN_NODE_MAJOR} or newer. Install a newer Node.js."
+    return None

@@ -113,11 +113,15 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+# An entry file the code checks accept, so these tests see the manifest's problems alone.
+VALID_ENTRY = "export async function execute() {\n  return { content: [] };\n}\n"
+
+
 def write_bad_tool(root: Path) -> Path:
     bad = root / "bad"
     bad.mkdir(parents=True)
     (bad / "TOOL.md").write_text("---\nname: Bad\nversion: '2'\n---\n# Bad\n")
-    (bad / "index.ts").write_text("")
+    (bad / "index.ts").write_text(VALID_ENTRY)
     return bad
 
 
@@ -285,11 +289,11 @@ def test_validate_a_root_flags_incomplete_directories_and_shadowed_names(tmp_pat
     for dirname in ("a_one", "b_two"):
         (root / dirname).mkdir(parents=True)
         (root / dirname / "TOOL.md").write_text("---\nname: same\ndescription: D.\nversion: 1\n---\n# D\n")
-        (root / dirname / "index.ts").write_text("")
+        (root / dirname / "index.ts").write_text(VALID_ENTRY)
     (root / "no_entry").mkdir()
     (root / "no_entry" / "TOOL.md").write_text("---\nname: no_entry\ndescription: D.\nversion: 1\n---\n# D\n")
     (root / "no_manifest").mkdir()
-    (root / "no_manifest" / "index.ts").write_text("")
+    (root / "no_manifest" / "index.ts").write_text(VALID_ENTRY)
     (root / ".hidden").mkdir()
     problems = validate_paths([root])
     assert [(p.path.relative_to(root).parts[0], p.severity) for p in problems] == [
@@ -300,7 +304,7 @@ def test_validate_a_root_flags_incomplete_directories_and_shadowed_names(tmp_pat
 
 def test_validate_a_tool_directory_missing_its_manifest(tmp_path: Path) -> None:
     (tmp_path / "tool").mkdir()
-    (tmp_path / "tool" / "index.ts").write_text("")
+    (tmp_path / "tool" / "index.ts").write_text(VALID_ENTRY)
     [problem] = validate_paths([tmp_path / "tool"])
     assert problem.message == "no TOOL.md" and "name, description and version" in problem.fix
 

@@ -1,0 +1,1 @@
+"""The tool developer's loop behind `sandboxd run`: an ephemeral sandbox and a file watcher."""

@@ -1,0 +1,227 @@
+"""An ephemeral sandbox for `sandboxd run`: the daemon's machinery, in-process, for one tool.
+
+The sandbox is made by the same backend classes the daemon uses (Docker: same
+image, same hardening, same mounts), and calls go through the daemon's own
+``Pool`` and ``CallRunner``, so timeouts, cancellation and crash handling are
+the ones the service applies. What differs is only where the tool comes from:
+its folder is bound read-only at ``/officer/user/tools/<folder>``, and the
+user data directory is a scratch directory unless ``--user`` names one.
+
+Without Docker, the process backend runs the same shim as a local ``node``
+process. That is UNSANDBOXED, and everything that reports on it says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from sandboxd.config import Config, PoolConfig
+from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
+from sandboxd.sandbox.pool import Pool
+from sandboxd.server.calls import CallContext, CallParams, CallRunner, result, text
+from sandboxd.tools.discovery import Tool
+from sandboxd.users import global_tools_dir, user_dir
+
+BackendName = Literal["auto", "docker", "process"]
+
+# Containers of `sandboxd run` carry this instance label: a run that was killed leaves at most
+# a stopped container, which the next run removes.
+DEV_INSTANCE = "sandboxd-run"
+# Whose sandbox it is without --user (the pool and the logs need a well-formed user).
+DEV_USER = "developer@localhost"
+KILL_MESSAGE = "The call was cancelled with Ctrl-C, then killed with a second Ctrl-C; its sandbox was stopped."
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: Backend
+    reason: str  # why this one: shown next to the UNSANDBOXED label
+
+    @property
+    def unsandboxed(self) -> bool:
+        return self.backend.name == "process"
+
+
+def requested_backend(flag: str | None, config: Config) -> BackendName:
+    """--backend, else a configured ``backend`` (file or SANDBOXD_BACKEND), else auto."""
+    if flag is not None:
+        return flag  # type: ignore[return-value]
+    if "backend" in config.model_fields_set:
+        if config.backend == "fake":
+            raise BackendUnavailable("backend 'fake' is for sandboxd's own tests; use --backend docker or process.")
+        return config.backend
+    return "auto"
+
+
+def max_line_bytes(config: Config) -> int:
+    """The longest shim line accepted: as the daemon computes it (a result, JSON-escaped, plus framing)."""
+    return config.calls.max_result_bytes * 2 + (64 << 10)
+
+
+def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
+    """Docker when it is usable (or required), otherwise the process backend. Raises BackendUnavailable."""
+    if requested in ("auto", "docker"):
+        docker_backend, problem = _usable_docker(config)
+        if docker_backend is not None:
+            return BackendChoice(docker_backend, "Docker")
+        if requested == "docker":
+            raise BackendUnavailable(f"{problem}; start Docker and run `make image`, or use --backend process.")
+        reason = problem
+    else:
+        reason = "the process backend was asked for"
+    from sandboxd.sandbox.process_backend import ProcessBackend
+
+    return BackendChoice(ProcessBackend(max_line_bytes=max_line_bytes(config)), reason)
+
+
+def _usable_docker(config: Config) -> tuple[Backend | None, str]:
+    """The Docker backend if the engine answers and has the runner image, else why not."""
+    import docker.errors
+
+    from sandboxd.sandbox.docker_backend import LABEL_INSTANCE, DockerBackend
+
+    backend = DockerBackend(config.sandbox, instance=DEV_INSTANCE, max_line_bytes=max_line_bytes(config))
+    if not backend.ping():
+        return None, "the Docker engine is not reachable"
+    api = backend.api()
+    try:
+        api.inspect_image(config.sandbox.image)
+    except docker.errors.ImageNotFound:
+        return None, f"the runner image {config.sandbox.image} is not built (make image)"
+    except docker.errors.DockerException as exc:
+        return None, f"the Docker engine did not answer ({exc})"
+    try:  # what a killed run left: stopped containers only, a running one belongs to another run
+        leftovers = api.containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={DEV_INSTANCE}"],
+                                                      "status": ["exited", "dead"]})
+        for container in leftovers:
+            api.remove_container(container["Id"], force=True)
+    except docker.errors.DockerException:
+        pass
+    return backend, "Docker"
+
+
+def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *, mount_tool: bool) -> SandboxSpec:
+    """Mounts as the daemon makes them, with the one tool as the user's only tool.
+
+    The scratch directory holds the user tools root (and, without ``user``, the user's
+    data). With ``mount_tool`` it also holds the empty mount point of the tool's folder:
+    Docker cannot create it inside the read-only tools root.
+    """
+    tools_root = scratch / "tools"
+    tools_root.mkdir(parents=True, exist_ok=True)
+    if mount_tool:
+        (tools_root / tool_dir.name).mkdir(exist_ok=True)
+    data = config.data_path
+    email_db = Path(config.sandbox.email_db.format(data_path=data, user=user)) if user else None
+    return SandboxSpec(
+        user=user or DEV_USER,
+        tools_dir=global_tools_dir(data),
+        user_dir=user_dir(data, user) if user else scratch,
+        user_tools_dir=tools_root,
+        email_db=email_db,
+        read_only_mounts=((tool_dir, f"{CONTAINER_USER_TOOLS}/{tool_dir.name}"),) if mount_tool else (),
+    )
+
+
+class _StreamingBackend:
+    """The chosen backend, with every sandbox's output lines passed to ``on_line`` as they arrive."""
+
+    def __init__(self, inner: Backend, on_line: Callable[[str], None]) -> None:
+        self._inner = inner
+        self._on_line = on_line
+        self.name = inner.name
+
+    async def start(self, spec: SandboxSpec) -> Sandbox:
+        sandbox = await self._inner.start(spec)
+        sandbox.on_stderr = self._on_line  # type: ignore[attr-defined]  # every shim sandbox has it
+        return sandbox
+
+    async def destroy(self, sandbox: Sandbox) -> None:
+        await self._inner.destroy(sandbox)
+
+    async def list_owned(self) -> list[str]:
+        return await self._inner.list_owned()
+
+    async def remove_orphans(self) -> int:
+        return 0  # the sandboxes of other runs are theirs
+
+    def entry_path(self, tool: Tool) -> str:
+        return self._inner.entry_path(tool)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class DevSession:
+    """One warm sandbox and the calls made in it, one at a time."""
+
+    def __init__(self, config: Config, choice: BackendChoice, spec: SandboxSpec, *, keep_warm: bool,
+                 on_tool_output: Callable[[str], None]) -> None:
+        self.config = config
+        self.choice = choice
+        self.spec = spec
+        self.backend = _StreamingBackend(choice.backend, on_tool_output)
+        pool_config = PoolConfig(
+            max_per_user=1, max_total=1,
+            # --watch: a sandbox that crashed or was killed is replaced at once, ready for the next save.
+            min_idle=1 if keep_warm else 0,
+            idle_ttl_s=365 * 24 * 3600.0,  # the session decides when the sandbox goes
+            max_calls_per_sandbox=config.pool.max_calls_per_sandbox,
+            start_timeout_ms=config.pool.start_timeout_ms,
+            acquire_timeout_ms=config.pool.start_timeout_ms + 5_000,  # a start fails first, with its reason
+            shutdown_grace_s=0.0,
+        )
+        self.pool = Pool(self.backend, pool_config, lambda _user: spec)
+        self.runner = CallRunner(config, self.pool, self.backend)
+        self.calls = 0
+        self._current: CallContext | None = None
+        self._killed = False
+
+    async def call(self, tool: Tool, arguments: dict[str, Any], timeout_s: float,
+                   on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        """Run execute() once; the result object is the daemon's (content, isError, status, durationMs)."""
+        self.calls += 1
+        params = CallParams(self.spec.user, tool, arguments, f"run_{self.calls}", {}, timeout_s)
+        ctx = CallContext(request_id=self.calls)
+        ctx.task = task = asyncio.ensure_future(self.runner.run(params, ctx, on_progress))
+        self._current, self._killed = ctx, False
+        started = time.monotonic()
+        try:
+            outcome = await task
+        except asyncio.CancelledError:
+            if not task.cancelled() or ctx.cancel_reason is None:
+                raise  # we are being cancelled ourselves
+            # Ctrl-C before the runner's task even began.
+            outcome = result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."),
+                             started)
+        finally:
+            self._current = None
+        if self._killed:
+            outcome.update(status="cancelled", isError=True, content=text(KILL_MESSAGE))
+        return outcome
+
+    def interrupt(self) -> Literal["cancel", "kill", "wait"] | None:
+        """Ctrl-C: the first fires the tool's AbortSignal, the second kills the sandbox.
+
+        Returns what it did: None when no call runs, "wait" when the call is already ending.
+        """
+        ctx = self._current
+        if ctx is None:
+            return None
+        if ctx.cancel_reason is None:
+            ctx.cancel("cancelled with Ctrl-C")
+            return "cancel"
+        if ctx.future is not None and not ctx.future.done():
+            self._killed = True
+            ctx.future.set_exception(SandboxFailed(KILL_MESSAGE))
+            return "kill"
+        return "wait"
+
+    async def close(self) -> None:
+        await self.pool.close(grace=0.0)
+        await self.backend.close()
