@@ -12,7 +12,6 @@ import concurrent.futures
 import os
 import secrets
 import struct
-from pathlib import Path
 from typing import Any, Callable
 
 import docker
@@ -103,6 +102,22 @@ class DockerSandbox(ShimSandbox):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
+    def close_attach(self) -> None:
+        """Really close the attach connection: asyncio closing its socket is not enough.
+
+        The SDK's wrapper holds a second reference, so the fd stays open; Docker keeps
+        copying the container's output into it, and with nobody reading, `docker rm -f`
+        hangs behind the full pipe (a tool flooding its protocol stream showed it).
+        """
+        if self.transport is not None:
+            self.transport.close()
+        if self.attach is not None:
+            attach, self.attach = self.attach, None
+            try:
+                attach.close()
+            except OSError:
+                pass
+
     async def exit_reason(self) -> SandboxFailed:
         return await self._backend.exit_reason(self)
 
@@ -118,6 +133,14 @@ class DockerBackend:
         self._api: docker.APIClient | None = None
         # Enough threads that a burst of starts does not queue behind slow removes.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="docker")
+        # Containers whose removal failed (engine down or restarting): removed once it answers again.
+        self._unremoved: set[str] = set()
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    def reconfigure(self, config: SandboxConfig) -> None:
+        """Settings for sandboxes started from now on (on reload; the engine connection stays)."""
+        self.user = sandbox_user(config.user)
+        self.config = config
 
     # -- plumbing -------------------------------------------------------------
 
@@ -161,10 +184,11 @@ class DockerBackend:
             container_id = await asyncio.shield(create)
         except asyncio.CancelledError:
             try:
-                await self._run_quiet(self._remove, await create)
+                await self._remove_quiet(await create)
             except Exception:
                 pass
             raise
+        self._retry_unremoved()
         sandbox: DockerSandbox | None = None
         try:
             attach = await self._run(self._attach, container_id)
@@ -184,9 +208,8 @@ class DockerBackend:
             # Cancelled or failed half-way: never leave the container behind.
             if sandbox is not None:
                 sandbox.destroying = True
-                if sandbox.transport is not None:
-                    sandbox.transport.close()
-            await asyncio.shield(self._run_quiet(self._remove, container_id))
+                sandbox.close_attach()
+            await asyncio.shield(self._remove_quiet(container_id))
             if isinstance(exc, SandboxFailed):
                 tail = " | ".join(sandbox.stderr_tail) if sandbox is not None else ""
                 raise BackendUnavailable(f"a sandbox exited before its shim was ready: {tail or exc.message}") from None
@@ -195,9 +218,8 @@ class DockerBackend:
     async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
         sandbox.destroying = True
         sandbox.channel.shutdown()
-        if sandbox.transport is not None:
-            sandbox.transport.close()
-        await self._run_quiet(self._remove, sandbox.container_id)
+        sandbox.close_attach()
+        await self._remove_quiet(sandbox.container_id)
 
     async def list_owned(self) -> list[str]:
         containers = await self._run(
@@ -207,13 +229,18 @@ class DockerBackend:
 
     async def remove_orphans(self) -> int:
         owned = await self.list_owned()
-        await asyncio.gather(*(self._run_quiet(self._remove, cid) for cid in owned))
+        await asyncio.gather(*(self._remove_quiet(cid) for cid in owned))
         return len(owned)
 
     def entry_path(self, tool: Any) -> str:
         return container_entry_path(tool)
 
     async def close(self) -> None:
+        if self._unremoved:  # a last try, bounded: the engine may still be away
+            try:
+                await asyncio.wait_for(asyncio.gather(*(self._remove_quiet(c) for c in list(self._unremoved))), 10)
+            except TimeoutError:
+                pass
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def exit_reason(self, sandbox: DockerSandbox) -> SandboxFailed:
@@ -229,8 +256,12 @@ class DockerBackend:
                 f"The tool ran out of memory: its sandbox is limited to {self.config.memory} and was killed. "
                 "Process less data at once, stream it, or write it to a file."
             )
+        elif not state:
+            message = ("The tool's sandbox stopped during the call, and the Docker engine did not say why "
+                       "(it may be restarting); the sandbox is replaced once the engine answers again.")
         elif code == 0:
-            message = "The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), not call process.exit()."
+            message = ("The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), "
+                       "not call process.exit() or close the shim's file descriptors.")
         elif code == 137:
             message = "The tool's sandbox was killed (SIGKILL) during the call."
         else:
@@ -249,6 +280,7 @@ class DockerBackend:
             Mount(CONTAINER_USER, str(spec.user_dir), type="bind", read_only=False),
             Mount(CONTAINER_USER_TOOLS, str(spec.user_tools_dir), type="bind", read_only=True),
         ]
+        mounts += [Mount(target, str(source), type="bind", read_only=True) for source, target in spec.read_only_mounts]
         # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
         uid, gid = self.user.split(":")
         tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}",
@@ -314,8 +346,20 @@ class DockerBackend:
         except docker.errors.NotFound:
             pass
 
-    async def _run_quiet(self, fn: Callable[..., Any], *args: Any) -> None:
+    async def _remove_quiet(self, container_id: str) -> None:
+        """Remove a container; if the engine cannot do it now, remember it for later."""
         try:
-            await self._run(fn, *args)
+            await self._run(self._remove, container_id)
         except Exception as exc:
-            log.warning("docker_cleanup_failed", error=str(exc), args=[str(a)[:64] for a in args])
+            self._unremoved.add(container_id)
+            log.warning("docker_cleanup_deferred", container=container_id[:12], error=str(exc))
+        else:
+            self._unremoved.discard(container_id)
+
+    def _retry_unremoved(self) -> None:
+        """The engine answers again: remove what could not be removed while it was away."""
+        for container_id in list(self._unremoved):
+            self._unremoved.discard(container_id)
+            task = asyncio.get_running_loop().create_task(self._remove_quiet(container_id))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)

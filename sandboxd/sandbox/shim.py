@@ -14,6 +14,7 @@ import itertools
 import json
 from typing import Any, Callable
 
+from sandboxd import strictjson
 from sandboxd.errors import SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import CallRequest, ProgressCallback
@@ -88,7 +89,7 @@ class ShimChannel:
         if not line:
             return
         try:
-            message = json.loads(line)
+            message = strictjson.loads(line)
         except (ValueError, RecursionError):
             self.close(SandboxFailed("the sandbox wrote something that is not the shim protocol on its protocol stream."))
             return
@@ -159,6 +160,8 @@ class ShimSandbox:
         self._exited = False
         self._exit_callbacks: list[Callable[[], None]] = []
         self._stderr_partial = b""
+        # Called with each line of tool output as it arrives (`sandboxd run` shows them to the developer).
+        self.on_stderr: Callable[[str], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -188,6 +191,8 @@ class ShimSandbox:
             line = raw[:4096].decode("utf-8", "replace")
             self.stderr_tail.append(line)
             _log.debug("tool_stderr", sandbox=self.id, line=line)
+            if self.on_stderr is not None:
+                self.on_stderr(line)
 
     def transport_closed(self) -> None:
         """The shim's stream ended: the sandbox exited, or sandboxd destroyed it."""

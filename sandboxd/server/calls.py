@@ -9,13 +9,14 @@ running out after a cancel; no extra task is created on this hot path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sandboxd.config import Config
-from sandboxd.errors import InvalidParams, SandboxFailed
+from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values
 from sandboxd.sandbox.backend import Backend, CallRequest
 from sandboxd.sandbox.pool import Pool
@@ -27,6 +28,9 @@ log = get_logger("sandboxd.calls")
 
 # Set by the daemon itself (TOOLS.md); a call may not override them.
 RESERVED_ENV = frozenset({"HOME", "OFFICER_USER_HOME", "OFFICER_USER_ROOT", "PI_TOOLS_DIRS", "OFFICER_EMAIL_DB"})
+
+# How a call that ends in a JSON-RPC error (not a result) is counted and logged.
+_ERROR_STATUS = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
 
 
 class _Timeout(Exception):
@@ -109,6 +113,7 @@ class CallContext:
     sandbox: Any = None
     future: asyncio.Future[dict[str, Any]] | None = None
     cancel_reason: str | None = None
+    queue_wait_s: float | None = None  # set once a sandbox is acquired
     grace: float = 2.0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
@@ -116,7 +121,9 @@ class CallContext:
         if self.cancel_reason is not None or self.phase == "done":
             return
         self.cancel_reason = reason
-        if self.phase in ("checking", "queued") and self.task is not None:
+        # Not while "checking": a task cancelled before its first step never runs its
+        # body, so the call would go unanswered. The runner sees cancel_reason instead.
+        if self.phase == "queued" and self.task is not None:
             self.task.cancel()
         elif self.phase == "running" and self.sandbox is not None and self.future is not None:
             self.sandbox.cancel(reason)  # the tool's AbortSignal fires now
@@ -151,32 +158,52 @@ class CallRunner:
         self.pool = pool
         self.backend = backend
         self.counts: dict[str, int] = {}
+        # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
+        self.on_call: Callable[[str, str, float, float | None], None] | None = None
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
         started = time.monotonic()
-        with secret_values(call.secrets()):
-            outcome = await self._run(call, ctx, on_progress, started)
-        self.counts[outcome["status"]] = self.counts.get(outcome["status"], 0) + 1
+        try:
+            with secret_values(call.secrets()):
+                outcome = await self._run(call, ctx, on_progress, started)
+        except Exception as exc:
+            error = exc.message if isinstance(exc, SandboxdError) else None
+            self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
+            raise
+        # Logged and counted just after the answer is written, like the pool release in _run.
+        asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
+        return outcome
+
+    def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
+        """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
+        self.counts[status] = self.counts.get(status, 0) + 1
         log.info(
             "call",
             user=call.user,
             tool=call.tool.name,
             tool_call_id=call.tool_call_id,
-            status=outcome["status"],
-            duration_ms=outcome["durationMs"],
+            status=status,
+            duration_ms=round(duration_s * 1000),
+            queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
             sandbox=getattr(ctx.sandbox, "id", None),
+            **({"error": error} if error else {}),
         )
-        return outcome
+        if self.on_call is not None:
+            self.on_call(call.tool.name, status, duration_s, ctx.queue_wait_s)
 
     async def _run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None], started: float) -> dict[str, Any]:
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
+        if ctx.cancel_reason is not None:  # cancelled before it got here
+            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
         ctx.phase = "queued"
+        queued_at = time.monotonic()
         try:
             pooled = await self.pool.acquire(call.user)
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
             return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+        ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = False
         try:
             ctx.phase, ctx.sandbox = "running", pooled.sandbox
@@ -203,7 +230,11 @@ class CallRunner:
                     f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
             except SandboxFailed as exc:
                 return result("crashed", text(exc.message), started)
-            reusable = True
+            # The shim says when a tool left processes running or /tmp full (docs/shim.md).
+            retire = answer.get("retire")
+            reusable = not retire
+            if retire:
+                log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=pooled.sandbox.id, reason=str(retire)[:500])
             content = answer.get("content")
             if not isinstance(content, list):
                 content = text("The tool's sandbox returned a malformed result.")
@@ -215,4 +246,6 @@ class CallRunner:
             ctx.phase = "done"
             for timer in ctx.timers:
                 timer.cancel()
-            self.pool.release(pooled, reusable=reusable)
+            # Released just after the answer is written (connection.py sends it when run returns):
+            # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
+            asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-import pytest
 
 from sandboxd.config import load_config
 from sandboxd.errors import SandboxFailed

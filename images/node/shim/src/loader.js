@@ -254,9 +254,12 @@ function load(entry) {
     purge(dir);
     throw e;
   }
-  if (fresh) stats.loads += 1;
-  // Record files loaded without our hooks (JSON, .cjs, node_modules) too.
-  changedFile(dir);
+  if (fresh) {
+    stats.loads += 1;
+    // Record files loaded without our hooks (JSON, .cjs, node_modules) too. A cached
+    // entry loaded nothing new: the stats before the call were the only ones needed.
+    changedFile(dir);
+  }
   return { mod, filename, reloaded };
 }
 

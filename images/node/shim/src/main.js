@@ -24,9 +24,11 @@ if (!fdSetup.isolated) {
   });
 }
 
+const { AsyncLocalStorage } = require('node:async_hooks');
 const output = require('./output');
 const loader = require('./loader');
 const results = require('./result');
+const leftovers = require('./leftovers');
 
 const PROTOCOL = 1;
 const DEFAULT_MAX_RESULT_BYTES = 1024 * 1024;
@@ -38,6 +40,9 @@ process.setSourceMapsEnabled(true);
 let current = null;
 let lastToolCallId = null;
 let calls = 0;
+// The call whose code is running: timers and promises keep it, so a stray error
+// can be told apart from one thrown by a call that was already answered.
+const callScope = new AsyncLocalStorage();
 
 const out = output.install(
   () => (current ? current.toolCallId : lastToolCallId ? `${lastToolCallId} (finished)` : 'shim'),
@@ -102,7 +107,12 @@ function finish(call, result) {
   call.done = true;
   if (current === call) current = null;
   restoreEnv(call);
-  const json = results.encodeResult(result, call.maxResultBytes);
+  let json = results.encodeResult(result, call.maxResultBytes);
+  const retire = leftovers.retireReason();
+  if (retire) {
+    out.callLog(`sandbox retired: ${retire}`);
+    json = `${json.slice(0, -1)},"retire":${JSON.stringify(retire)}}`;
+  }
   writeLine(`{"jsonrpc":"2.0","id":${JSON.stringify(call.id)},"result":${json}}`);
   return true;
 }
@@ -163,16 +173,18 @@ async function handleCall(msg) {
 
   let result;
   try {
-    let loaded;
-    try {
-      loaded = loader.load(p.entry);
-    } catch (e) {
-      throw results.loadFailure(e, p.entry);
-    }
-    const { mod, filename } = loaded;
-    const execute = results.resolveExecute(mod, filename);
-    const onUpdate = (partial) => sendProgress(call, partial);
-    const value = await execute.call(mod, toolCallId, args, call.ac.signal, onUpdate);
+    const value = await callScope.run(call, () => {
+      let loaded;
+      try {
+        loaded = loader.load(p.entry);
+      } catch (e) {
+        throw results.loadFailure(e, p.entry);
+      }
+      const { mod, filename } = loaded;
+      const execute = results.resolveExecute(mod, filename);
+      const onUpdate = (partial) => sendProgress(call, partial);
+      return execute.call(mod, toolCallId, args, call.ac.signal, onUpdate);
+    });
     result = results.fromReturn(value, { printed: call.printed });
   } catch (e) {
     if (call.done) {
@@ -202,6 +214,12 @@ function handleCancel(params) {
 function strayError(err, kind) {
   const text = results.thrownMessage(err);
   const stack = err && typeof err === 'object' && typeof err.stack === 'string' ? err.stack : text;
+  const owner = callScope.getStore();
+  if (owner && owner !== current) {
+    // Left behind by a call that was already answered: not the running call's fault.
+    out.callLog(current ? `${kind} from ${owner.toolCallId} (finished): ${stack}` : `${kind}: ${stack}`);
+    return;
+  }
   out.callLog(`${kind}: ${stack}`);
   if (current) {
     const hint = results.isBun(err)
@@ -294,17 +312,18 @@ function start() {
     process.exit(0);
   });
 
-  send({ jsonrpc: '2.0', method: 'ready', params: { protocol: PROTOCOL, node: process.version, pid: process.pid } });
-
+  // esbuild's service starts before `ready` (about 35 ms): a sandbox that the pool
+  // starts ahead of need is then fully warm when a call gets it, and a caller who
+  // waits for a start pays the same either way (its first call needed the service).
   if (process.env.SANDBOXD_SHIM_PREWARM !== '0') {
-    setImmediate(() => {
-      try {
-        loader.prewarm();
-      } catch (e) {
-        log(`esbuild prewarm failed: ${e.message}`);
-      }
-    });
+    try {
+      loader.prewarm();
+    } catch (e) {
+      log(`esbuild prewarm failed: ${e.message}`);
+    }
   }
+
+  send({ jsonrpc: '2.0', method: 'ready', params: { protocol: PROTOCOL, node: process.version, pid: process.pid } });
 }
 
 start();

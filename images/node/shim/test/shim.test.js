@@ -637,6 +637,18 @@ describe('calling', () => {
     });
   });
 
+  test("a finished call's stray error does not fail the next call", async () => {
+    await withShim(async (shim) => {
+      const a = await shim.call('stray', { kind: 'reject-after' }, { toolCallId: 'early' });
+      assert.equal(a.result.status, 'ok');
+      // The rejection (30 ms after `early` returned) lands while `late` runs.
+      const b = await shim.call('slow', { ms: 200 }, { toolCallId: 'late' });
+      assert.equal(b.result.status, 'ok', shim.text(b.result));
+      assert.match(shim.stderr, /\[late\] unhandled rejection from early \(finished\): Error: late rejection after the result/);
+      await shim.close();
+    });
+  });
+
   test('process.exit in a tool ends the shim', async () => {
     const shim = new Shim();
     await shim.ready();

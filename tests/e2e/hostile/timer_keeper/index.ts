@@ -1,0 +1,5 @@
+let ticks = 0;
+export async function execute() {
+  setInterval(() => { ticks++; }, 5);
+  return { content: [{ type: "text", text: `returned; ${ticks} ticks so far` }], details: { ticks } };
+}
