@@ -4,13 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean
+.PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean install uninstall shim-deps
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/)"
 	@echo "make test    every test: unit, shim (node --test) and end-to-end against real Docker"
-	@echo "make bench   benchmarks, side by side with the floors"
+	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
+	@echo "make shim-deps  the shim's esbuild, for \`sandboxd run --backend process\` without Docker"
+	@echo "make install (as root) install the daemon as a systemd service; see docs/install.md"
 
 $(BIN)/sandboxd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,14 +41,60 @@ test-unit: setup
 test-shim:
 	node --test images/node/shim/test/*.test.js
 
+# What the process backend needs when there is no Docker to build the image (docs/tool-development.md).
+shim-deps:
+	cd images/node/shim && { node -e 'require("esbuild")' 2>/dev/null || npm ci --omit=dev --ignore-scripts --no-audit --no-fund --loglevel=error; }
+
 test-e2e: setup image
 	$(BIN)/python -m pytest tests/e2e
 
 bench: setup image
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 soak: setup image
 	$(BIN)/python -m pytest tests/soak -m soak -s
 
 clean:
 	rm -rf $(VENV) $(LOCAL) build
+
+
+# -- the daemon as a systemd service (docs/install.md) ---------------------------------
+# A system Python: the service user must be able to run the venv's interpreter.
+INSTALL_PYTHON ?= /usr/bin/python3
+PREFIX         ?= /opt/sandboxd
+UNIT_DIR       ?= /etc/systemd/system
+SYSUSERS_DIR   ?= /etc/sysusers.d
+CONFIG_DIR     ?= /etc/sandboxd
+LINK_DIR       ?= /usr/local/bin
+
+install: image
+	@test "$$(id -u)" -eq 0 || { echo "make install: run it as root (sudo make install)" >&2; exit 1; }
+	$(INSTALL_PYTHON) -m venv $(PREFIX)
+	$(PREFIX)/bin/pip install -q .
+	install -d -m 0755 $(LINK_DIR) && ln -sf $(PREFIX)/bin/sandboxd $(LINK_DIR)/sandboxd
+	rm -rf $(PREFIX)/seed && mkdir -p $(PREFIX)/seed && cp -R seed/tools $(PREFIX)/seed/tools
+	install -d -m 0755 $(PREFIX)/share/doc
+	install -m 0644 docs/*.md $(PREFIX)/share/doc/
+	install -D -m 0644 packaging/sysusers.d/sandboxd.conf $(SYSUSERS_DIR)/sandboxd.conf
+	if command -v systemd-sysusers >/dev/null; then systemd-sysusers $(SYSUSERS_DIR)/sandboxd.conf; \
+	elif ! id sandboxd >/dev/null 2>&1; then \
+	  useradd --system --user-group --home-dir /var/lib/sandboxd --shell /usr/sbin/nologin sandboxd; fi
+	install -d -m 0755 $(UNIT_DIR)
+	sed -e 's|/usr/bin/env sandboxd|$(PREFIX)/bin/sandboxd|' -e 's|/opt/sandboxd|$(PREFIX)|g' \
+	  packaging/systemd/sandboxd.service > $(UNIT_DIR)/sandboxd.service
+	install -m 0644 packaging/systemd/sandboxd.socket $(UNIT_DIR)/sandboxd.socket
+	install -d -m 0750 -g sandboxd $(CONFIG_DIR)
+	test -e $(CONFIG_DIR)/config.yaml || { sed 's|/opt/sandboxd|$(PREFIX)|g' packaging/config.yaml > $(CONFIG_DIR)/config.yaml \
+	  && chgrp sandboxd $(CONFIG_DIR)/config.yaml && chmod 0640 $(CONFIG_DIR)/config.yaml; }
+	systemd-analyze verify $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "installed. Next: systemctl enable --now sandboxd.socket sandboxd.service (docs/install.md)"
+
+uninstall:
+	@test "$$(id -u)" -eq 0 || { echo "make uninstall: run it as root (sudo make uninstall)" >&2; exit 1; }
+	if [ -d /run/systemd/system ]; then systemctl disable --now sandboxd.service sandboxd.socket || true; fi
+	rm -f $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket $(SYSUSERS_DIR)/sandboxd.conf
+	if [ "$$(readlink $(LINK_DIR)/sandboxd)" = "$(PREFIX)/bin/sandboxd" ]; then rm -f $(LINK_DIR)/sandboxd; fi
+	rm -rf $(PREFIX)
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "left in place: $(CONFIG_DIR), /var/lib/sandboxd (tools and user data) and the sandboxd user"

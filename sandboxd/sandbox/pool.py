@@ -39,6 +39,7 @@ class PooledSandbox:
     sandbox: Sandbox | None = None
     calls: int = 0
     since: float = 0.0  # when it entered its current state
+    generation: int = 0  # the sandbox settings it was started with (see retire_all)
 
     @property
     def id(self) -> str:
@@ -49,6 +50,22 @@ class PooledSandbox:
 class Waiter:
     user: str
     future: asyncio.Future[PooledSandbox]
+
+
+@dataclass
+class _Counts:
+    """One user's sandboxes by state, as _plan sees them."""
+
+    total: int = 0
+    starting: int = 0
+    idle: int = 0
+
+    def add(self, state: State, n: int) -> None:
+        self.total += n
+        if state is State.STARTING:
+            self.starting += n
+        elif state is State.IDLE:
+            self.idle += n
 
 
 @dataclass
@@ -79,7 +96,9 @@ class Pool:
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._starts: set[asyncio.Task[Any]] = set()
-        self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "start_failures": 0}
+        self._generation = 0
+        # killed: by sandboxd mid-call (timeout, cancel past the grace); crashed: died by itself.
+        self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "killed": 0, "start_failures": 0}
 
     # -- the public surface -------------------------------------------------
 
@@ -119,19 +138,31 @@ class Pool:
             pooled.calls += 1
         self._last_call[pooled.user] = now
         if pooled.state is State.BUSY and pooled in self._sandboxes:
-            if reusable and not self._closing and self._alive(pooled) and pooled.calls < self.config.max_calls_per_sandbox:
+            current = pooled.generation == self._generation
+            if reusable and current and not self._closing and self._alive(pooled) and pooled.calls < self.config.max_calls_per_sandbox:
                 pooled.state, pooled.since = State.IDLE, now
             else:
+                if not reusable:
+                    self.stats["killed" if self._alive(pooled) else "crashed"] += 1
                 self._sandboxes.remove(pooled)
                 self._apply(Plan(destroy=[pooled]))
+        self._apply(self._plan())
+
+    def retire_all(self) -> None:
+        """New sandbox settings: replace idle sandboxes now, busy ones when their call ends."""
+        self._generation += 1
         self._apply(self._plan())
 
     def maintain(self) -> None:
         """Expire idle sandboxes and keep users warm; called periodically by the server."""
         self._apply(self._plan())
 
-    async def close(self, grace: float) -> None:
-        """Stop taking calls, wait up to ``grace`` s for busy sandboxes, then destroy everything."""
+    async def close(self, grace: float, destroy_timeout: float = 30.0) -> None:
+        """Stop taking calls, wait up to ``grace`` s for busy sandboxes, then destroy everything.
+
+        The destroys get ``destroy_timeout`` s: a hung engine must not hang shutdown; what
+        is left then is removed as an orphan by the next start.
+        """
         self._closing = True
         for waiter in self._waiters:
             if not waiter.future.done():
@@ -145,8 +176,15 @@ class Pool:
         # Starts are cancelled (the backend removes a half-made sandbox); destroys run to the end.
         for task in list(self._starts):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(self._destroy(p) for p in doomed if p.sandbox is not None), return_exceptions=True)
+        for pooled in doomed:
+            if pooled.sandbox is not None:
+                self._spawn(self._destroy(pooled))
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=destroy_timeout)
+            if pending:
+                log.warning("shutdown_destroy_timeout", pending=len(pending), timeout_s=destroy_timeout)
+                for task in pending:
+                    task.cancel()
 
     def __repr__(self) -> str:
         counts = {state: 0 for state in State}
@@ -180,17 +218,38 @@ class Pool:
         now, cfg = self._clock(), self.config
 
         # 1. Drop idle sandboxes that died, that belong to users gone quiet, or beyond min_idle past the TTL.
-        idle_by_user: dict[str, int] = {}
+        #    The same pass counts what stays, per user (this runs twice per call: one pass, not one
+        #    per user); _new, _make_room and step 2 keep the counts current.
+        counts: dict[str, _Counts] = {}
+        idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
+        ttl, last_call = cfg.idle_ttl_s, self._last_call
         for pooled in list(self._sandboxes):
-            if pooled.state is not State.IDLE:
-                continue
-            user_quiet = now - self._last_call.get(pooled.user, 0.0) > cfg.idle_ttl_s
-            surplus = idle_by_user.get(pooled.user, 0) >= cfg.min_idle and now - pooled.since > cfg.idle_ttl_s
-            if not self._alive(pooled) or user_quiet or surplus:
-                self._sandboxes.remove(pooled)
-                plan.destroy.append(pooled)
-            else:
-                idle_by_user[pooled.user] = idle_by_user.get(pooled.user, 0) + 1
+            user, state = pooled.user, pooled.state
+            if state is State.IDLE:
+                alive = self._alive(pooled)
+                kept = idle_of.get(user)
+                user_quiet = now - last_call.get(user, 0.0) > ttl
+                surplus = (len(kept) if kept else 0) >= cfg.min_idle and now - pooled.since > ttl
+                retired = pooled.generation != self._generation
+                if not alive or user_quiet or surplus or retired:
+                    if not alive:
+                        # Died while idle, noticed here before _sandbox_died ran: count it once, here.
+                        self.stats["crashed"] += 1
+                    self._sandboxes.remove(pooled)
+                    plan.destroy.append(pooled)
+                    continue
+                if kept is None:
+                    idle_of[user] = [pooled]
+                else:
+                    kept.append(pooled)
+            row = counts.get(user)
+            if row is None:
+                row = counts[user] = _Counts()
+            row.total += 1
+            if state is State.STARTING:
+                row.starting += 1
+            elif state is State.IDLE:
+                row.idle += 1
         for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
             if not any(p.user == user for p in self._sandboxes) and not any(w.user == user for w in self._waiters):
                 del self._last_call[user]
@@ -200,44 +259,48 @@ class Pool:
             if waiter.future.done():  # cancelled or failed while queued
                 self._waiters.remove(waiter)
                 continue
-            for pooled in self._sandboxes:
-                if pooled.user == waiter.user and pooled.state is State.IDLE:
-                    pooled.state, pooled.since = State.BUSY, now
-                    self._waiters.remove(waiter)
-                    waiter.future.set_result(pooled)
-                    break
+            idle = idle_of.get(waiter.user)
+            if idle:
+                pooled = idle.pop(0)
+                pooled.state, pooled.since = State.BUSY, now
+                counts[waiter.user].idle -= 1
+                self._waiters.remove(waiter)
+                waiter.future.set_result(pooled)
 
         # 3. Start sandboxes for waiters that starting sandboxes will not cover.
         waiting: dict[str, int] = {}
         for waiter in self._waiters:
             waiting[waiter.user] = waiting.get(waiter.user, 0) + 1
         for user, count in waiting.items():
-            starting = sum(1 for p in self._sandboxes if p.user == user and p.state is State.STARTING)
+            starting = counts[user].starting if user in counts else 0
             for _ in range(count - starting):
-                if not self._make_room(user, plan, evict=True):
+                if not self._make_room(user, plan, counts, evict=True):
                     break
-                plan.start.append(self._new(user, now))
+                plan.start.append(self._new(user, now, counts))
 
         # 4. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
+        #    Not while the user's callers wait for starts: a second start at the same time slows
+        #    theirs (docker create/start share the CPU); the spare follows once they are served.
         for user, last in self._last_call.items():
-            if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0):
+            if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0) or user in waiting:
                 continue
-            spare = sum(1 for p in self._sandboxes if p.user == user and p.state in (State.IDLE, State.STARTING))
-            spare -= waiting.get(user, 0)
+            row = counts.get(user)
+            spare = (row.idle + row.starting if row is not None else 0) - waiting.get(user, 0)
             for _ in range(cfg.min_idle - spare):
-                if not self._make_room(user, plan, evict=False):
+                if not self._make_room(user, plan, counts, evict=False):
                     break
-                plan.start.append(self._new(user, now))
+                plan.start.append(self._new(user, now, counts))
         return plan
 
-    def _new(self, user: str, now: float) -> PooledSandbox:
-        pooled = PooledSandbox(user, State.STARTING, since=now)
+    def _new(self, user: str, now: float, counts: dict[str, _Counts]) -> PooledSandbox:
+        pooled = PooledSandbox(user, State.STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
+        counts.setdefault(user, _Counts()).add(State.STARTING, 1)
         return pooled
 
-    def _make_room(self, user: str, plan: Plan, *, evict: bool) -> bool:
+    def _make_room(self, user: str, plan: Plan, counts: dict[str, _Counts], *, evict: bool) -> bool:
         """True if one more sandbox for ``user`` fits, evicting another user's idle one if allowed."""
-        if sum(1 for p in self._sandboxes if p.user == user) >= self.config.max_per_user:
+        if user in counts and counts[user].total >= self.config.max_per_user:
             return False
         if len(self._sandboxes) < self.config.max_total:
             return True
@@ -248,6 +311,7 @@ class Pool:
             return False
         victim = min(others, key=lambda p: p.since)  # the longest idle
         self._sandboxes.remove(victim)
+        counts[victim.user].add(State.IDLE, -1)
         plan.destroy.append(victim)
         return True
 

@@ -218,11 +218,14 @@ def test_tool_errors_map_to_statuses(make_daemon: Any) -> None:
 
 
 def test_overloaded_is_32001(make_daemon: Any) -> None:
-    daemon = make_daemon("pool:\n  max_per_user: 1\n  min_idle: 0\n  acquire_timeout_ms: 300\n")
+    # The queue deadline also bounds a cold start, so it is generous for a busy machine;
+    # the held call outlasts it by far.
+    daemon = make_daemon("pool:\n  max_per_user: 1\n  min_idle: 0\n  acquire_timeout_ms: 2000\n")
     with daemon.client() as first, daemon.client() as second:
+        assert call(first, "hello", {"name": "warm"})["status"] == "ok"
         first.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                    "params": {"user": A, "name": "sleeper", "arguments": {"ms": 3000}}})
-        time.sleep(1.0)
+                    "params": {"user": A, "name": "sleeper", "arguments": {"ms": 8000}}})
+        time.sleep(0.5)
         with pytest.raises(RpcError) as info:
             call(second, "hello", {"name": "x"})
         assert info.value.code == -32001

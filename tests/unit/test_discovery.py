@@ -309,3 +309,125 @@ def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
         thread.join()
     assert errors == []
     assert all(result == [f"tool_{i:02d}" for i in range(20)] for result in results) and len(results) == 80
+
+
+# --- the per-root snapshot (a stat fingerprint instead of a full scan) ------------------------
+
+
+@pytest.fixture
+def scan_count(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Tool directories inspected by a full scan; trusts snapshots at once (no racy window)."""
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    inspected: list[Path] = []
+    real = discovery.inspect_tool_dir
+
+    def counting(tool_dir: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        inspected.append(tool_dir)
+        return real(tool_dir, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(discovery, "inspect_tool_dir", counting)
+    return inspected
+
+
+def test_an_unchanged_root_is_answered_without_a_scan(data: Path, scan_count: list[Path]) -> None:
+    write_tool(global_root(data), "a")
+    write_tool(global_root(data), "b")
+    catalog = ToolCatalog(data)
+    first = catalog.list(USER)  # the user has no tools directory: that answer is kept too
+    assert len(scan_count) == 2
+    for _ in range(3):
+        assert catalog.list(USER) == first and catalog.get("b", USER) is first[1]
+    assert len(scan_count) == 2
+
+
+@pytest.mark.parametrize("change", ["edit_in_place", "new_tool", "new_user_tool", "entry_removed", "entry_js_to_ts",
+                                    "manifest_unreadable"])
+def test_every_change_a_scan_would_see_ends_the_snapshot(data: Path, scan_count: list[Path], change: str) -> None:
+    tool_dir = write_tool(global_root(data), "a", entry="index.js")
+    catalog = ToolCatalog(data)
+    catalog.list(USER)
+    manifest = tool_dir / "TOOL.md"
+    if change == "edit_in_place":  # same inode and size; only the timestamps move
+        text = manifest.read_text()
+        with manifest.open("r+") as file:
+            file.write(text.replace("version: 1", "version: 2"))
+    elif change == "new_tool":
+        write_tool(global_root(data), "b")
+    elif change == "new_user_tool":
+        write_tool(user_root(data), "mine")
+    elif change == "entry_removed":
+        (tool_dir / "index.js").unlink()
+    elif change == "entry_js_to_ts":
+        (tool_dir / "index.ts").write_text("export async function execute() { return { content: [] }; }\n")
+    elif change == "manifest_unreadable":
+        manifest.chmod(0)
+    before = len(scan_count)
+    tools = catalog.list(USER)
+    assert len(scan_count) > before
+    expected = {
+        "edit_in_place": lambda: tools[0].manifest.version == 2,
+        "new_tool": lambda: names(tools) == ["a", "b"],
+        "new_user_tool": lambda: names(tools) == ["a", "mine"],
+        "entry_removed": lambda: tools == [],
+        "entry_js_to_ts": lambda: tools[0].entry.name == "index.ts",
+        "manifest_unreadable": lambda: os.geteuid() == 0 or tools == [],  # root reads it anyway
+    }
+    assert expected[change]()
+
+
+def test_a_dangling_entry_link_that_gets_a_target_is_seen(data: Path, scan_count: list[Path]) -> None:
+    # The target is two levels away, so no directory the fingerprint stats changes: only the link's own stat does.
+    tool_dir = write_tool(global_root(data), "a", entry=None)
+    (global_root(data) / "shared" / "lib").mkdir(parents=True)
+    (tool_dir / "index.ts").symlink_to("../shared/lib/impl.ts")
+    catalog = ToolCatalog(data)
+    assert catalog.list() == []
+    (global_root(data) / "shared" / "lib" / "impl.ts").write_text("export async function execute() { return { content: [] }; }\n")
+    assert names(catalog.list()) == ["a"]
+
+
+def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Timestamps from a coarse clock cannot tell two changes within one tick apart: until
+    # the window has passed since the last change, nothing of that root is trusted.
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 3600 * 10**9)
+    write_tool(global_root(data), "a")
+    catalog = ToolCatalog(data)
+    catalog.list()
+    inspected: list[Path] = []
+    real = discovery.inspect_tool_dir
+    monkeypatch.setattr(discovery, "inspect_tool_dir", lambda d, *a, **k: (inspected.append(d), real(d, *a, **k))[1])
+    catalog.list()
+    catalog.list()
+    assert inspected == [global_root(data) / "a"] * 2
+
+
+def test_get_sees_its_own_tool_change_at_once(data: Path, scan_count: list[Path]) -> None:
+    tool_dir = write_tool(global_root(data), "a", version=1)
+    write_tool(global_root(data), "b")
+    catalog = ToolCatalog(data)
+    assert catalog.get("a", USER).manifest.version == 1
+    write_tool(global_root(data), "a", version=2, description="Longer than before, so the size changes too.")
+    assert catalog.get("a", USER).manifest.version == 2
+    (tool_dir / "index.ts").unlink()
+    assert catalog.get("a", USER) is None
+    write_tool(user_root(data), "b", description="Mine.")
+    assert catalog.get("b", USER).source == "user"
+
+
+def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_count: list[Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tool(global_root(data), "a")
+    write_tool(global_root(data), "b")
+    catalog = ToolCatalog(data)
+    catalog.list(USER)
+    stats: list[str] = []
+    real = discovery._stat_key
+    monkeypatch.setattr(discovery, "_stat_key", lambda path: (stats.append(path), real(path))[1])
+    assert catalog.get("a", USER) is not None
+    # The user's root (missing), the global root, a's TOOL.md and index.ts: nothing of b.
+    assert len(stats) == 4 and not any("/b/" in path for path in stats)
+    # Another tool renaming itself in place to "a" (the last directory wins) is seen at the next full check.
+    manifest = global_root(data) / "b" / "TOOL.md"
+    manifest.write_text(manifest.read_text().replace("name: b", "name: a"))
+    monkeypatch.setattr(discovery, "_FULL_CHECK_INTERVAL_S", 0.0)
+    assert catalog.get("a", USER).dir.name == "b"

@@ -60,6 +60,25 @@ def test_first_call_starts_a_sandbox_and_keeps_one_warm() -> None:
     run(main())
 
 
+def test_the_warm_spare_starts_only_once_the_waiting_caller_is_served() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        backend.start_delay = 0.02
+        pool = make_pool(backend)
+        caller = asyncio.ensure_future(pool.acquire("a@x.io"))
+        await settle()
+        # Two starts at once would share the CPU with the one the caller waits for.
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>" and backend.starts == 1
+        pooled = await caller
+        await settle()
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 1, waiting: 0]>" and backend.starts == 2
+        await asyncio.sleep(0.05)
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        pool.release(pooled, reusable=True)
+
+    run(main())
+
+
 def test_idle_sandbox_is_reused_without_a_start() -> None:
     async def main() -> None:
         backend = FakeBackend()
@@ -261,8 +280,9 @@ def test_close_cancels_starts_in_flight() -> None:
         pool = make_pool(backend)
         waiter = asyncio.ensure_future(pool.acquire("a@x.io"))
         await settle()
-        # One for the caller, one to keep warm (min_idle=1).
-        assert repr(pool) == "<Pool [starting: 2, idle: 0, busy: 0, waiting: 1]>"
+        # One for the caller; the warm spare (min_idle=1) waits until the caller is served,
+        # so that two starts do not share the CPU while someone waits.
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>"
         await pool.close(grace=0)
         with pytest.raises(ShuttingDown):
             await waiter

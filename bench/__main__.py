@@ -1,0 +1,269 @@
+"""`python -m bench` (make bench): measure the daemon and its floors in one run, print a table, write JSON.
+
+    python -m bench            # the full run, about 2-3 minutes on 2 cores
+    python -m bench --quick    # smaller samples, under a minute
+    python -m bench --skip floors,throughput --profile bench-results/profile
+
+Order: the floors first (bare echo containers, then removed), then one daemon
+for every daemon figure. Every container the run makes carries a label and is
+removed at the end, also after a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import docker
+
+from bench import daemon as d
+from bench import floors as f
+from bench import report
+from bench.daemon import REPO
+from bench.load import throughput
+from sandboxd.config import RUNNER_IMAGE, SandboxConfig
+from sandboxd.server.server import instance_id
+
+SECTIONS = ("floors", "latency", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
+            "overhead")
+BENCH_CONFIG = """\
+# Written by `python -m bench`. Defaults everywhere, except room for every benchmark user's sandboxes.
+pool:
+  max_total: 64
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller samples (under a minute)")
+    p.add_argument("--calls", type=int, help="warm sequential calls for the latency percentiles (default 10000; quick 2000)")
+    p.add_argument("--duration", type=float, help="seconds per throughput window (default 5; quick 2)")
+    p.add_argument("--clients", default="1,4,16", help="concurrent clients of the throughput runs (default 1,4,16)")
+    p.add_argument("--samples", type=int, help="cold calls, refills, returning users, fresh tools (default 5; quick 3)")
+    p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="record the daemon with py-spy during the warm-latency run (needs `pip install py-spy`)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="where the JSON goes (default bench-results/)")
+    p.add_argument("--image", default=RUNNER_IMAGE, help=f"runner image (default {RUNNER_IMAGE})")
+    args = p.parse_args(argv)
+    args.calls = args.calls or (2000 if args.quick else 10000)
+    args.duration = args.duration or (2.0 if args.quick else 5.0)
+    args.samples = args.samples or (3 if args.quick else 5)
+    try:
+        args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--clients takes numbers like 1,4,16, not {args.clients!r}")
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = args.skip - set(SECTIONS)
+    if unknown:
+        p.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; the sections are {', '.join(SECTIONS)}")
+    return args
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _pause(args: argparse.Namespace) -> float:
+    """Quiet before each returning user's call (and its floor)."""
+    return 0.5 if args.quick else 1.0
+
+
+def run_floors(api: Any, cfg: SandboxConfig, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    containers = f.FloorContainers(api, cfg, run_id)
+    try:
+        say(f"floor: raw attach round trip to a bare node echo container ({args.calls} calls)")
+        out["attach"], cid = f.attach_floor(containers, args.calls, warmup=500)
+        time.sleep(1.0)
+        out["idle_memory"] = d.container_memory(cid)
+        say(f"floor: hello over a raw attach to the image's own shim, no daemon ({args.calls} calls)")
+        out["shim_attach"] = f.shim_round_trip(containers, REPO / "seed" / "tools", args.calls, warmup=500)
+        if "returning" not in args.skip:
+            say(f"floor: the first raw attach round trip after {_pause(args):g} s of quiet ({args.samples}×)")
+            out["attach_after_pause"] = f.attach_after_pause(containers, cid, args.samples, _pause(args))
+        say("floor: progress lines through a raw attach")
+        out["flood"] = f.attach_flood(containers, cid, 5000 if args.quick else 20000)
+        containers.remove(cid)
+        if "throughput" not in args.skip:
+            out["throughput"] = []
+            for n in args.clients:
+                say(f"floor: raw attach throughput, {n} clients on {n} containers")
+                ids = containers.started(n)
+                out["throughput"].append(throughput("attach", [(cid, "") for cid in ids], duration=args.duration, warmup=200))
+                for cid in ids:
+                    containers.remove(cid)
+        say(f"floor: docker create → attach → start → first reply ({args.samples}×)")
+        out["create_to_reply"] = f.create_to_first_reply(containers, args.samples)
+        say(f"alternative: docker run --rm per call ({args.samples * 2}×)")
+        out["docker_run"] = f.docker_run_per_call(cfg, args.samples * 2, run_id)
+        say(f"alternative: spawn node per call ({args.samples * 4}×)")
+        out["node_spawn"] = f.node_per_call(args.samples * 4)
+    finally:
+        containers.close()
+    return out
+
+
+def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    daemon = d.BenchDaemon(root, BENCH_CONFIG + f"sandbox:\n  image: {args.image}\n", fresh_tools=args.samples * 2)
+    say(f"starting sandboxd (data {daemon.data}, log {daemon.log_path})")
+    daemon.start()
+    from sandboxd.config import load_config
+
+    instance = instance_id(load_config(overrides={"socket": daemon.socket, "data_path": daemon.data}, environ={}))
+    user = lambda tag: f"{tag}-{run_id}@bench.example"  # noqa: E731 - one place that names the users
+    try:
+        out["ping"] = d.ping_latency(daemon, min(args.calls, 5000))
+        if "latency" not in args.skip:
+            say(f"warm hello latency ({args.calls} sequential calls)")
+            profiler = _start_profiler(daemon.pid, args.profile)
+            out["warm"] = d.warm_latency(daemon, user("warm"), args.calls, warmup=500)
+            _stop_profiler(profiler)
+        if "throughput" not in args.skip:
+            out["throughput"] = []
+            for n in args.clients:
+                users = min(n, 4)  # at most max_per_user (4) concurrent calls per user
+                say(f"throughput, {n} clients ({users} users)")
+                targets = [(str(daemon.socket), user(f"tp{n}-{i % users}")) for i in range(n)]
+                out["throughput"].append(throughput("daemon", targets, duration=args.duration, warmup=200,
+                                                    daemon_pid=daemon.pid))
+                daemon.settle()
+        if "progress" not in args.skip:
+            say("progress notifications")
+            out["progress"] = d.progress_rate(daemon, user("progress"), 5000 if args.quick else 20000, runs=2)
+        if "tool_load" not in args.skip:
+            say(f"first call of a not-yet-loaded tool ({len(daemon.fresh_tools)} tools)")
+            out["tool_load"] = d.tool_first_call(daemon, user("load"))
+        if "returning" not in args.skip:
+            say(f"returning user ({args.samples} calls, {_pause(args):g} s apart)")
+            d.returning_user(daemon, user("back"), 1, 0)  # its cold first call, not counted
+            daemon.settle()
+            out["returning"] = d.returning_user(daemon, user("back"), args.samples, _pause(args))
+        if "cold" not in args.skip:
+            say(f"first call of a new user ({args.samples} users)")
+            out["cold"] = d.cold_first_call(daemon, [user(f"cold{i}") for i in range(args.samples)])
+        if "memory" not in args.skip:
+            say("memory of idle sandboxes and of the daemon")
+            out["idle_memory"] = d.idle_sandbox_memory(daemon, api, instance)
+            out["daemon_rss_mb"] = d.process_rss_mb(daemon.pid)
+            out["sandboxes_at_rss"] = daemon.status()["pool"]["totals"]["idle"]
+        if "refill" not in args.skip:
+            say(f"refill after docker kill ({args.samples}×)")
+            min_idle = daemon.status()["limits"]["minIdle"]
+            out["refill"] = d.refill_after_kill(daemon, api, instance, user("refill"), user("bystander"),
+                                                args.samples, min_idle)
+        out["status"] = daemon.status()
+    except BaseException:
+        say(f"failed; the daemon's log ends with:\n{daemon.log_tail()}")
+        raise
+    finally:
+        code = daemon.stop()
+        leftovers = api.containers(all=True, filters={"label": f"org.sandboxd.instance={instance}"})
+        for container in leftovers:
+            api.remove_container(container["Id"], force=True)
+        out["daemon_exit_code"] = code
+        out["containers_left_behind"] = len(leftovers)
+    return out
+
+
+def run_overhead(root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
+    """sandboxd's own cost: the same calls against the in-memory fake backend (no Docker, no Node)."""
+    out: dict[str, Any] = {}
+    daemon = d.BenchDaemon(root, BENCH_CONFIG + "backend: fake\n", fresh_tools=0)
+    say("sandboxd alone: the fake backend (no Docker)")
+    daemon.start()
+    try:
+        out["warm"] = d.warm_latency(daemon, f"fake-{run_id}@bench.example", args.calls, warmup=500)
+        if "throughput" not in args.skip:
+            n = max(args.clients)
+            targets = [(str(daemon.socket), f"fake{i % 4}-{run_id}@bench.example") for i in range(n)]
+            out["throughput"] = throughput("daemon", targets, duration=args.duration, warmup=200, daemon_pid=daemon.pid)
+    finally:
+        daemon.stop()
+    return out
+
+
+def background_load(seconds: float = 1.0) -> float:
+    """How busy the machine is before the run starts (%): other work skews every figure."""
+    from bench.load import _machine_busy
+
+    busy0, total0 = _machine_busy()
+    time.sleep(seconds)
+    busy1, total1 = _machine_busy()
+    return 100 * (busy1 - busy0) / ((total1 - total0) or 1)
+
+
+def _start_profiler(pid: int, directory: Path | None) -> subprocess.Popen[bytes] | None:
+    if directory is None:
+        return None
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        say("--profile: py-spy is not installed (pip install py-spy); not profiling")
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"daemon-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+    say(f"profiling the daemon with py-spy → {target}")
+    proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "1000", "--format", "raw",
+                             "--output", str(target), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    return proc
+
+
+def _stop_profiler(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None:
+        proc.send_signal(2)  # SIGINT: py-spy writes its output and exits
+        proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    api = docker.APIClient(version="auto", timeout=120)
+    try:
+        api.inspect_image(args.image)
+    except docker.errors.ImageNotFound:
+        print(f"the runner image {args.image} is missing: build it with `make image`", file=sys.stderr)
+        return 2
+    cfg = SandboxConfig(image=args.image, network="none")
+    run_id = secrets.token_hex(3)
+    results: dict[str, Any] = {
+        "run_id": run_id, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": report.machine_info(api),
+        "args": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "sandbox_flags": cfg.model_dump(),
+    }
+    started = time.monotonic()
+    results["background_busy_pct"] = background_load()
+    if results["background_busy_pct"] > 15:
+        say(f"the machine is already {results['background_busy_pct']:.0f}% busy: expect slower, noisier figures")
+    root = Path(tempfile.mkdtemp(prefix="sandboxd-bench-"))
+    try:
+        if "floors" not in args.skip:
+            results["floors"] = run_floors(api, cfg, run_id, args)
+        results["daemon"] = run_daemon(api, root / "docker", run_id, args)
+        if "overhead" not in args.skip:
+            results["overhead"] = run_overhead(root / "fake", run_id, args)
+    finally:
+        for container in api.containers(all=True, filters={"label": f"{f.LABEL}={run_id}"}):
+            api.remove_container(container["Id"], force=True)
+        shutil.rmtree(root, ignore_errors=True)
+    results["seconds"] = round(time.monotonic() - started, 1)
+    path = report.write_json(results, args.out)
+    print(f"\nsandboxd benchmark — {report.machine_line(results['machine'])}; "
+          f"{results['background_busy_pct']:.0f}% busy before the run\n")
+    print(report.table(results))
+    if results["daemon"].get("throughput") or results.get("floors", {}).get("throughput"):
+        print("\nWhere the CPU went during the throughput windows:\n")
+        print(report.cpu_table(results))
+    print(f"\n{results['seconds']:.0f} s in all; JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
