@@ -16,7 +16,7 @@ from typing import Any
 
 from sandboxd.cli.client_cmds import add_argument_flags, parse_tool_arguments, print_progress, print_result
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
-from sandboxd.cli.tools_cmds import validate_tool_dir
+from sandboxd.cli.tools_cmds import user_argument, validate_tool_dir
 from sandboxd.config import Config
 from sandboxd.dev.session import BackendChoice, DevSession, choose_backend, dev_spec, requested_backend
 from sandboxd.dev.watch import changed_files, snapshot, wait_for_change
@@ -26,7 +26,6 @@ from sandboxd.tools.discovery import ENTRY_FILES, Tool
 from sandboxd.tools.manifest import MANIFEST_FILE
 from sandboxd.tools.scaffold import ScaffoldError, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
-from sandboxd.users import check_user
 
 EXIT_INTERRUPTED = 130
 
@@ -53,7 +52,7 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
                     "130 when --watch is stopped with Ctrl-C.")
     run.add_argument("path", type=Path, metavar="PATH", help="the tool's folder (or its TOOL.md or entry file)")
     add_argument_flags(run)
-    run.add_argument("--user", type=_user, metavar="U",
+    run.add_argument("--user", type=user_argument, metavar="U",
                      help="use DATA_PATH/U as the user data directory /officer/user (default: an empty scratch "
                           "directory, removed afterwards)")
     run.add_argument("--timeout", type=float, metavar="S",
@@ -66,13 +65,6 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     run.add_argument("--raw", action="store_true",
                      help="print the raw result object as JSON, with \"backend\" and \"unsandboxed\"")
     run.set_defaults(handler=run_command)
-
-
-def _user(text: str) -> str:
-    try:
-        return check_user(text)
-    except InvalidParams as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _shown(path: Path) -> str:

@@ -36,7 +36,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     listing = tools_commands.add_parser(
         "list", parents=[parent], help="list the tools a user can call",
         description="List the global tools, and with --user the user's own (which override global ones).")
-    listing.add_argument("--user", type=_user, metavar="U", help="include this user's tools (an email address)")
+    listing.add_argument("--user", type=user_argument, metavar="U", help="include this user's tools (an email address)")
     listing.add_argument("--all", action="store_true", help="also list directories that are skipped, and why")
     listing.add_argument("--json", action="store_true", help="print the tools/list result of PROTOCOL.md")
     listing.set_defaults(handler=list_tools)
@@ -45,7 +45,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
         "show", parents=[parent], help="show one tool's schema and documentation",
         description="Show a tool's metadata, inputSchema and documentation.")
     show.add_argument("name", metavar="NAME", help="the tool's name")
-    show.add_argument("--user", type=_user, metavar="U", help="look among this user's tools too")
+    show.add_argument("--user", type=user_argument, metavar="U", help="look among this user's tools too")
     show.add_argument("--json", action="store_true", help="print the tool as a tools/list Tool object")
     show.set_defaults(handler=show_tool)
 
@@ -67,7 +67,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     validate.set_defaults(handler=validate_command)
 
 
-def _user(text: str) -> str:
+def user_argument(text: str) -> str:
     try:
         return check_user(text)
     except InvalidParams as exc:

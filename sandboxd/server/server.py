@@ -6,9 +6,7 @@ Shutdown is a fixed order with a bounded wait (see ``shutdown``).
 from __future__ import annotations
 
 import asyncio
-import grp
 import hashlib
-import os
 import signal
 import socket
 import time
@@ -28,6 +26,7 @@ from sandboxd.service.metrics import Metrics
 from sandboxd.service.peercred import PeerPolicy
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
+from sandboxd.unixsocket import bind_unix_socket
 from sandboxd.users import global_tools_dir, user_dir, user_tools_dir
 
 log = get_logger("sandboxd.server")
@@ -115,31 +114,10 @@ class Server:
                                "filesystem; for development only, never for untrusted tools")
 
     def _bind_socket(self) -> socket.socket:
-        path = self.config.socket
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        if path.exists() or path.is_symlink():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(path))
-            except OSError:
-                path.unlink()  # stale, left by a daemon that died
-            else:
-                raise OSError(f"another sandboxd is already listening on {path}; stop it or pass --socket.")
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Bind with a tight umask so there is no moment at which the socket is wider than configured.
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old_umask)
-        if self.config.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
-        os.chmod(path, self.config.socket_mode)
-        sock.listen(1024)
-        sock.setblocking(False)
-        return sock
+        return bind_unix_socket(
+            self.config.socket, mode=self.config.socket_mode, group=self.config.socket_group, backlog=1024,
+            in_use_hint="is another sandboxd running? Stop it or pass --socket.",
+        )
 
     async def _remove_orphans(self) -> None:
         try:

@@ -15,9 +15,6 @@ socket, and collection reads loop-owned state from the loop, never from a thread
 from __future__ import annotations
 
 import asyncio
-import grp
-import os
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -28,6 +25,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from sandboxd import __version__
 from sandboxd.config import parse_listen_address
 from sandboxd.logging import get_logger
+from sandboxd.unixsocket import bind_unix_socket
 
 if TYPE_CHECKING:
     from sandboxd.server.server import Server
@@ -107,7 +105,9 @@ class Metrics:
         """Serve /metrics on ``listen``; returns the address actually bound (port 0 picks one)."""
         address = parse_listen_address(listen)
         if isinstance(address, Path):
-            self._listener = await asyncio.start_unix_server(self._handle, sock=_bind_unix(address, socket_group))
+            self._listener = await asyncio.start_unix_server(self._handle, sock=bind_unix_socket(
+                address, mode=0o660, group=socket_group, backlog=64,
+                in_use_hint="choose another metrics.listen or stop it."))
             self._socket_path = address
             bound = str(address)
         else:
@@ -158,31 +158,3 @@ class Metrics:
         accept = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("accept:")), "")
         body, content_type = self.render(accept)
         return "200 OK", body, content_type
-
-
-def _bind_unix(path: Path, group: str | None) -> socket.socket:
-    """Bind a unix socket with mode 0660 (group ``group``) from the first instant; replace a stale file."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-        else:
-            probe.close()
-            raise OSError(f"something already serves {path}; choose another metrics.listen or stop it.")
-        probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old_umask)
-    if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-    os.chmod(path, 0o660)
-    sock.listen(64)
-    sock.setblocking(False)
-    return sock
-
