@@ -100,6 +100,16 @@ def owned_containers(daemon: Daemon, docker_api: Any, **labels: str) -> list[dic
     return docker_api.api.containers(all=True, filters={"label": wanted})
 
 
+def containers_running(daemon: Daemon, docker_api: Any, user: str, marker: str) -> list[str]:
+    """Ids of the user's sandboxes in whose process table the marker shows up."""
+    found = []
+    for container in owned_containers(daemon, docker_api, **{"org.sandboxd.user": user}):
+        top = subprocess.run(["docker", "top", container["Id"], "-eo", "pid,args"], capture_output=True, text=True)
+        if marker in top.stdout:
+            found.append(container["Id"])
+    return found
+
+
 def pool_matches_docker(daemon: Daemon, docker_api: Any) -> dict[str, Any] | None:
     """The pool's status when it is settled and Docker holds exactly its sandboxes, else None."""
     with daemon.client(timeout=30) as client:

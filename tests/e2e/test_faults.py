@@ -28,11 +28,11 @@ from tests.e2e.hostile_harness import (
     BYSTANDER_B,
     Background,
     assert_pool_recovers,
+    containers_running,
     call,
     host_processes,
     install_hostile_tools,
     module_daemon,
-    owned_containers,
     text_of,
     wait_until,
 )
@@ -46,15 +46,6 @@ DOCKERD_LOG = "/var/log/sandboxd-dockerd.log"
 def daemon(tmp_path_factory: pytest.TempPathFactory, docker_api: Any) -> Iterator[Daemon]:
     with module_daemon(tmp_path_factory.mktemp("faults"), docker_api) as started:
         yield started
-
-
-def containers_with(daemon: Daemon, docker_api: Any, user: str, marker: str) -> list[str]:
-    found = []
-    for container in owned_containers(daemon, docker_api, **{"org.sandboxd.user": user}):
-        top = subprocess.run(["docker", "top", container["Id"], "-eo", "pid,args"], capture_output=True, text=True)
-        if marker in top.stdout:
-            found.append(container["Id"])
-    return found
 
 
 # -- the daemon dies ------------------------------------------------------------------------
@@ -98,7 +89,7 @@ def test_container_killed_from_outside_mid_call(daemon: Daemon, docker_api: Any)
     marker = f"victim{uuid.uuid4().hex[:12]}"
     user = "victim@example.com"
     running = Background(daemon, user, "process_leaker", {"marker": marker}, timeoutMs=60000)
-    [container] = wait_until(lambda: containers_with(daemon, docker_api, user, marker), 15, "the call's sandbox")
+    [container] = wait_until(lambda: containers_running(daemon, docker_api, user, marker), 15, "the call's sandbox")
     subprocess.run(["docker", "kill", container], check=True, capture_output=True)
     result = running.join(30)
     assert result["status"] == "crashed" and result["isError"] is True

@@ -28,6 +28,7 @@ from tests.e2e.hostile_harness import (
     Background,
     assert_bystanders_served,
     assert_pool_recovers,
+    containers_running,
     call,
     host_processes,
     module_daemon,
@@ -69,16 +70,6 @@ def answer_to(client: Client, request_id: Any) -> dict[str, Any]:
         if message.get("id") == request_id:
             assert "result" in message, message
             return message["result"]
-
-
-def containers_running(daemon: Daemon, docker_api: Any, user: str, marker: str) -> list[str]:
-    """Ids of the user's sandboxes in whose process table the marker shows up."""
-    found = []
-    for container in owned_containers(daemon, docker_api, **{"org.sandboxd.user": user}):
-        top = subprocess.run(["docker", "top", container["Id"], "-eo", "pid,args"], capture_output=True, text=True)
-        if marker in top.stdout:
-            found.append(container["Id"])
-    return found
 
 
 # -- CPU, memory, processes ---------------------------------------------------------------
