@@ -541,10 +541,8 @@ def test_no_bump_needed(tmp_path: Path, case: str) -> None:
     assert check_synced_copy(tool, data) == []
 
 
-def test_validate_cli_reports_code_and_bump_findings_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SANDBOXD_CONFIG", str(tmp_path / "none.yaml"))
-    (tmp_path / "none.yaml").write_text("")
+@pytest.mark.usefixtures("isolated_config")
+def test_validate_cli_reports_code_and_bump_findings_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
     write_tool(data / "tools", 1)
     tool = write_tool(tmp_path / "seed", 1, "export class Weather {}\n")

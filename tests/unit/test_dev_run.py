@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Awaitable, TypeVar
@@ -38,14 +37,7 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SANDBOXD_"):
-            monkeypatch.delenv(name)
-    (tmp_path / "empty.yaml").write_text("")
-    monkeypatch.setenv("SANDBOXD_CONFIG", str(tmp_path / "empty.yaml"))
-
+pytestmark = pytest.mark.usefixtures("isolated_config")
 
 def write_tool(root: Path, name: str, source: str, inputs: str = "") -> Path:
     tool = root / name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,7 @@ from sandboxd.tools.scaffold import ScaffoldError, label_for, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
 
 
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SANDBOXD_"):
-            monkeypatch.delenv(name)
-    (tmp_path / "empty.yaml").write_text("")
-    monkeypatch.setenv("SANDBOXD_CONFIG", str(tmp_path / "empty.yaml"))
-
+pytestmark = pytest.mark.usefixtures("isolated_config")
 
 def test_scaffold_writes_a_manifest_and_a_typed_entry(tmp_path: Path) -> None:
     files = scaffold_tool("weather", tmp_path)

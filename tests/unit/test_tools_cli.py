@@ -84,16 +84,7 @@ LOOKUP_PROTOCOL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No SANDBOXD_* variable or system config file of this machine leaks into the commands."""
-    for name in list(os.environ):
-        if name.startswith("SANDBOXD_"):
-            monkeypatch.delenv(name)
-    empty = tmp_path / "empty-config.yaml"
-    empty.write_text("")
-    monkeypatch.setenv("SANDBOXD_CONFIG", str(empty))
-
+pytestmark = pytest.mark.usefixtures("isolated_config")
 
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
