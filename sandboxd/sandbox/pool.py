@@ -251,7 +251,7 @@ class Pool:
             elif state is State.IDLE:
                 row.idle += 1
         for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
-            if not any(p.user == user for p in self._sandboxes) and not any(w.user == user for w in self._waiters):
+            if user not in counts and not any(w.user == user for w in self._waiters):
                 del self._last_call[user]
 
         # 2. Hand idle sandboxes to waiters, oldest waiter first.
@@ -285,7 +285,7 @@ class Pool:
             if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0) or user in waiting:
                 continue
             row = counts.get(user)
-            spare = (row.idle + row.starting if row is not None else 0) - waiting.get(user, 0)
+            spare = row.idle + row.starting if row is not None else 0
             for _ in range(cfg.min_idle - spare):
                 if not self._make_room(user, plan, counts, evict=False):
                     break
