@@ -30,7 +30,7 @@ from sandboxd.sandbox.backend import (
     SandboxSpec,
     container_entry_path,
 )
-from sandboxd.sandbox.shim import ShimSandbox
+from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 
 log = get_logger("sandboxd.docker")
 
@@ -199,9 +199,10 @@ class DockerBackend:
             sandbox.transport, _ = await loop.create_connection(lambda: _AttachProtocol(sandbox), sock=raw)
             await self._run(lambda: self.api().start(container_id))
             ready = await sandbox.channel.ready
-            if ready.get("protocol") != 1:
+            if ready.get("protocol") != SHIM_PROTOCOL:
                 raise BackendUnavailable(
-                    f"the image {self.config.image} speaks shim protocol {ready.get('protocol')!r}, not 1; rebuild it with `make image`."
+                    f"the image {self.config.image} speaks shim protocol {ready.get('protocol')!r}, "
+                    f"not {SHIM_PROTOCOL}; rebuild it with `make image`."
                 )
             return sandbox
         except BaseException as exc:

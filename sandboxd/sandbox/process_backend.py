@@ -23,7 +23,7 @@ from typing import Any
 from sandboxd.config import REPO_ROOT
 from sandboxd.errors import BackendUnavailable, SandboxFailed
 from sandboxd.sandbox.backend import SandboxSpec
-from sandboxd.sandbox.shim import ShimSandbox
+from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 
 SHIM_MAIN = REPO_ROOT / "images" / "node" / "shim" / "src" / "main.js"
 UNSANDBOXED_NOTE = "UNSANDBOXED: the process backend runs tools as local node processes with your own rights"
@@ -147,8 +147,8 @@ class ProcessBackend:
 
 def _ready_problem(ready: dict[str, Any], node: str) -> str | None:
     """Why a shim that said ready cannot be used (wrong protocol, a Node.js too old), or None."""
-    if ready.get("protocol") != 1:
-        return f"the shim at {SHIM_MAIN} speaks protocol {ready.get('protocol')!r}, not 1; update the checkout."
+    if ready.get("protocol") != SHIM_PROTOCOL:
+        return f"the shim at {SHIM_MAIN} speaks protocol {ready.get('protocol')!r}, not {SHIM_PROTOCOL}; update the checkout."
     version = str(ready.get("node", ""))
     try:
         major = int(version.lstrip("v").split(".")[0])

@@ -2,8 +2,8 @@
 
 A backend feeds the shim's stdout into ``feed`` and gives a ``write`` function
 for its stdin. Everything the shim says is untrusted: a line that is not the
-protocol, too long, or an answer to a call that is not running breaks the
-sandbox (``SandboxFailed``) instead of confusing the daemon.
+protocol or is too long breaks the sandbox (``SandboxFailed``), and an answer or
+progress for a call that is not the running one is dropped.
 """
 
 from __future__ import annotations
@@ -97,14 +97,16 @@ class ShimChannel:
             self.close(SandboxFailed("the sandbox sent a protocol message that is not an object."))
             return
         method = message.get("method")
+        params = message.get("params")
+        if not isinstance(params, dict):
+            params = {}
         if method == "progress":
-            params = message.get("params") or {}
             if params.get("id") == self._call_id and self._on_progress is not None and not self._done():
                 content = params.get("content")
                 self._on_progress(content if isinstance(content, list) else [])
         elif method == "ready":
             if not self.ready.done():
-                self.ready.set_result(message.get("params") or {})
+                self.ready.set_result(params)
         elif "id" in message and ("result" in message or "error" in message):
             self._settle(message)
         # Anything else (future notifications, logs) is ignored on purpose.
