@@ -42,7 +42,7 @@ def client():
         c.images.get(IMAGE)
     except docker.errors.ImageNotFound:
         c.close()
-        pytest.skip(f"runner image {IMAGE} is not built: run `make image` first")
+        pytest.fail(f"runner image {IMAGE} is not built: run `make image` first (make test does)")
     yield c
     c.close()
 
