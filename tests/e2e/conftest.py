@@ -108,8 +108,19 @@ class Daemon:
 
         return instance_id(load_config(overrides={"socket": self.socket, "data_path": self.data}, environ={}))
 
-    def containers(self, api: Any) -> list[Any]:
-        return api.containers.list(all=True, filters={"label": f"org.sandboxd.instance={self.instance_label()}"})
+    def containers(self, api: Any, **labels: str) -> list[dict[str, Any]]:
+        """This daemon's containers as the engine lists them. Only the list call: a
+        per-container inspect (what `api.containers.list` does) races with the daemon
+        removing a sandbox and fails with 404."""
+        wanted = [f"org.sandboxd.instance={self.instance_label()}"] + [f"{k}={v}" for k, v in labels.items()]
+        return api.api.containers(all=True, filters={"label": wanted})
+
+    def remove_leftovers(self, api: Any) -> None:
+        """After a test: remove what the daemon left, then fail the test if it left anything."""
+        leftovers = self.containers(api)
+        for container in leftovers:
+            api.api.remove_container(container["Id"], force=True)
+        assert not leftovers, f"daemon left {len(leftovers)} containers behind:\n{self.log()}"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 40) -> int:
         assert self.proc is not None
@@ -141,10 +152,7 @@ def make_daemon(tmp_path: Path, docker_api: Any) -> Iterator[Any]:
     for daemon in daemons:
         if daemon.proc is not None:
             daemon.stop()
-        leftovers = daemon.containers(docker_api)
-        for container in leftovers:
-            container.remove(force=True)
-        assert not leftovers, f"daemon left {len(leftovers)} containers behind:\n{daemon.log()}"
+        daemon.remove_leftovers(docker_api)
 
 
 @pytest.fixture

@@ -59,10 +59,7 @@ def module_daemon(tmp: Path, docker_api: Any, config: str = HOSTILE_CONFIG, **kw
     finally:
         if daemon.proc is not None and daemon.proc.poll() is None:
             daemon.stop()
-        leftovers = daemon.containers(docker_api)
-        for container in leftovers:
-            container.remove(force=True)
-        assert not leftovers, f"daemon left {len(leftovers)} containers behind:\n{daemon.log()}"
+        daemon.remove_leftovers(docker_api)
 
 
 def call(client: Client, user: str, name: str, arguments: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -93,17 +90,10 @@ def assert_bystanders_served(daemon: Daemon, users: tuple[str, ...] = (BYSTANDER
             assert text_of(result) == f"Hello, {user}!"
 
 
-def owned_containers(daemon: Daemon, docker_api: Any, **labels: str) -> list[dict[str, Any]]:
-    """The daemon's containers as the engine lists them (no per-container inspect, which
-    waits while the engine is busy killing one)."""
-    wanted = [f"org.sandboxd.instance={daemon.instance_label()}"] + [f"{k}={v}" for k, v in labels.items()]
-    return docker_api.api.containers(all=True, filters={"label": wanted})
-
-
 def containers_running(daemon: Daemon, docker_api: Any, user: str, marker: str) -> list[str]:
     """Ids of the user's sandboxes in whose process table the marker shows up."""
     found = []
-    for container in owned_containers(daemon, docker_api, **{"org.sandboxd.user": user}):
+    for container in daemon.containers(docker_api, **{"org.sandboxd.user": user}):
         top = subprocess.run(["docker", "top", container["Id"], "-eo", "pid,args"], capture_output=True, text=True)
         if marker in top.stdout:
             found.append(container["Id"])
@@ -117,7 +107,7 @@ def pool_matches_docker(daemon: Daemon, docker_api: Any) -> dict[str, Any] | Non
     totals = status["pool"]["totals"]
     if totals["starting"] or totals["busy"] or totals["waiting"] or status["callsInFlight"]:
         return None
-    containers = owned_containers(daemon, docker_api)
+    containers = daemon.containers(docker_api)
     running = [c for c in containers if c["State"] == "running"]
     if len(containers) != totals["idle"] or len(running) != len(containers):
         return None

@@ -36,9 +36,9 @@ def env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def no_leftover_containers(docker_api: Any) -> Iterator[None]:
     yield
-    leftovers = docker_api.containers.list(all=True, filters={"label": DEV_LABEL})
+    leftovers = docker_api.api.containers(all=True, filters={"label": DEV_LABEL})
     for container in leftovers:
-        container.remove(force=True)
+        docker_api.api.remove_container(container["Id"], force=True)
     assert not leftovers, "sandboxd run left containers behind"
 
 

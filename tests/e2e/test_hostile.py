@@ -32,7 +32,6 @@ from tests.e2e.hostile_harness import (
     call,
     host_processes,
     module_daemon,
-    owned_containers,
     text_of,
     wait_until,
 )
@@ -128,7 +127,7 @@ def test_processes_outliving_a_timeout_die_with_the_sandbox(hostile: Daemon, doc
     assert result["status"] == "timeout"
     # The timed-out sandbox is destroyed, and every process in it with it.
     wait_until(lambda: not host_processes(marker), 15, f"processes marked {marker} to be gone")
-    wait_until(lambda: sandboxes[0] not in {c["Id"] for c in owned_containers(hostile, docker_api)}, 15,
+    wait_until(lambda: sandboxes[0] not in {c["Id"] for c in hostile.containers(docker_api)}, 15,
                "the timed-out sandbox's container to be removed")
     assert_pool_recovers(hostile, docker_api, attacker)
     assert_bystanders_served(hostile, (attacker,))
