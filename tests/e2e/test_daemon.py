@@ -298,9 +298,10 @@ def test_timeout_replaces_the_sandbox_and_next_call_is_served(make_daemon: Any) 
     daemon = make_daemon("pool:\n  min_idle: 0\n")
     with daemon.client() as client:
         first = call(client, "env_probe")
-        result = call(client, "sleeper", {"ms": 10000}, timeoutMs=500)
+        result = call(client, "sleeper", {"ms": 60000}, timeoutMs=500)
         assert result["status"] == "timeout" and result["isError"] is True
-        assert 400 <= result["durationMs"] < 5000
+        # Bounds far from both ends: the deadline held, and the sleep did not run out.
+        assert 400 <= result["durationMs"] < 20000
         again = call(client, "env_probe")
         assert again["status"] == "ok"
         assert client.request("sandbox/status")["pool"]["counters"]["destroyed"] >= 1
@@ -311,7 +312,7 @@ def test_cancel_reaches_the_tools_signal(daemon: Daemon) -> None:
     with daemon.client() as client:
         call(client, "hello", {"name": "warm"})
         client.send({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                     "params": {"user": A, "name": "sleeper", "arguments": {"ms": 20000}}})
+                     "params": {"user": A, "name": "sleeper", "arguments": {"ms": 60000}}})
         time.sleep(0.5)
         client.cancel(7, "user pressed stop")
         client.cancel(999, "unknown ids are ignored")
@@ -320,7 +321,7 @@ def test_cancel_reaches_the_tools_signal(daemon: Daemon) -> None:
         assert reply["id"] == 7 and result["status"] == "cancelled" and result["isError"] is True
         assert result["details"]["aborted"] is True
         assert "user pressed stop" in result["details"]["reason"]
-        assert result["durationMs"] < 5000
+        assert result["durationMs"] < 20000  # the abort, not the 60 s sleep, ended it
         assert call(client, "hello", {"name": "after"})["status"] == "ok"
 
 
@@ -335,7 +336,7 @@ def test_tool_ignoring_abort_is_killed_after_grace(make_daemon: Any) -> None:
         result = client.read_message()["result"]
         assert result["status"] == "cancelled"
         assert "killed" in result["content"][0]["text"]
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 20  # killed after the grace; it would spin forever
         assert call(client, "hello", {"name": "next"})["status"] == "ok"
 
 
@@ -349,7 +350,7 @@ def test_disconnect_frees_the_sandbox(make_daemon: Any) -> None:
     with daemon.client() as client:
         started = time.monotonic()
         assert call(client, "hello", {"name": "x"})["status"] == "ok"
-        assert time.monotonic() - started < 4
+        assert time.monotonic() - started < 20  # not behind the 60 s sleep of the one who left
 
 
 # -- lifecycle ---------------------------------------------------------------------------

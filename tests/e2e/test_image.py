@@ -258,10 +258,8 @@ def test_cancel_aborts_the_signal(shim):
     s.send({"jsonrpc": "2.0", "id": 99, "method": "call",
             "params": {"toolCallId": "abort_1", "entry": "/officer/tools/abort/index.ts", "arguments": {}}})
     s.next(lambda m: m.get("method") == "progress" and m["params"]["id"] == 99)
-    t0 = time.perf_counter()
     s.send({"jsonrpc": "2.0", "method": "cancel", "params": {"id": 99, "reason": "user stop"}})
-    res = s.next(lambda m: m.get("id") == 99)
-    assert time.perf_counter() - t0 < 2
+    res = s.next(lambda m: m.get("id") == 99)  # the tool waits for its signal forever otherwise
     assert text(res["result"]) == "aborted=true name=AbortError message=user stop"
 
 
