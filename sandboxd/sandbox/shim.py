@@ -21,7 +21,7 @@ from sandboxd.sandbox.backend import CallRequest, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
 
-SHIM_PROTOCOL = 1
+SHIM_PROTOCOL = 2
 
 
 class ShimChannel:

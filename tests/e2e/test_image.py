@@ -24,6 +24,8 @@ from typing import Any
 import docker
 import pytest
 
+from sandboxd.sandbox.shim import SHIM_PROTOCOL
+
 pytestmark = pytest.mark.docker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,7 +232,7 @@ def test_image_metadata(client):
 def test_ready_and_ping(shim):
     s = shim()
     params = s.ready["params"]
-    assert params["protocol"] == 1
+    assert params["protocol"] == SHIM_PROTOCOL
     assert int(params["node"].lstrip("v").split(".")[0]) >= 20
     assert isinstance(params["pid"], int)
     assert s.request("ping") == {"jsonrpc": "2.0", "id": 1, "result": {}}

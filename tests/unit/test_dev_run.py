@@ -27,6 +27,7 @@ from sandboxd.dev.session import (
 from sandboxd.dev.watch import changed_files, snapshot, wait_for_change
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.process_backend import SHIM_MAIN, ProcessBackend, _ready_problem
+from sandboxd.sandbox.shim import SHIM_PROTOCOL
 from sandboxd.tools.discovery import Tool, inspect_tool_dir
 
 T = TypeVar("T")
@@ -165,9 +166,10 @@ def test_the_process_backend_refuses_a_shim_without_its_dependencies(tmp_path: P
 
 
 def test_the_process_backend_refuses_an_old_node_or_another_protocol() -> None:
-    assert _ready_problem({"protocol": 1, "node": "v20.11.0"}, "node") is None
-    assert "Node.js 20 or newer" in (_ready_problem({"protocol": 1, "node": "v18.19.1"}, "/usr/bin/node") or "")
-    assert "protocol 2" in (_ready_problem({"protocol": 2, "node": "v20.1.0"}, "node") or "")
+    assert _ready_problem({"protocol": SHIM_PROTOCOL, "node": "v20.11.0"}, "node") is None
+    assert "Node.js 20 or newer" in (_ready_problem({"protocol": SHIM_PROTOCOL, "node": "v18.19.1"}, "/usr/bin/node") or "")
+    other = SHIM_PROTOCOL + 1
+    assert f"protocol {other}" in (_ready_problem({"protocol": other, "node": "v20.1.0"}, "node") or "")
 
 
 SESSION_TOOL = """

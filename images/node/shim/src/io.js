@@ -72,6 +72,39 @@ function isolateStdio() {
   return { inFd, outFd, mode: 'stdio (isolated)', isolated: true, fd1, note };
 }
 
+/**
+ * Socket transport (SANDBOXD_SHIM_SOCKET=PATH): the daemon listens on a unix socket
+ * bind-mounted into the sandbox, and the protocol runs over it instead of fds 3/4,
+ * so a call no longer crosses dockerd and containerd-shim. The fds the wrapper made
+ * from the container's stdin/stdout are closed first, so nothing in the sandbox can
+ * write to the container's stdout any more.
+ * @returns {Promise<{socket: net.Socket, fd: number}>}
+ */
+function connectSocket(path, closeFds) {
+  for (const fd of closeFds) {
+    try {
+      fs.closeSync(fd);
+    } catch {
+      // already closed
+    }
+  }
+  return new Promise((resolve, reject) => {
+    const socket = net.createConnection({ path, allowHalfOpen: true });
+    socket.once('error', reject);
+    socket.once('connect', () => {
+      socket.removeListener('error', reject);
+      // Written synchronously with writeAll (as for a pipe), read through the socket.
+      const fd = socket._handle && socket._handle.fd;
+      if (typeof fd !== 'number' || fd < 0) {
+        socket.destroy();
+        reject(new Error('the protocol socket has no file descriptor'));
+        return;
+      }
+      resolve({ socket, fd });
+    });
+  });
+}
+
 /** A readable stream over the protocol input fd. */
 function openReader(fd) {
   const st = fs.fstatSync(fd);
@@ -163,4 +196,4 @@ class LineSplitter {
   }
 }
 
-module.exports = { setupFds, openReader, writeAll, LineSplitter };
+module.exports = { setupFds, connectSocket, openReader, writeAll, LineSplitter };

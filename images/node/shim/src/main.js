@@ -1,15 +1,23 @@
 'use strict';
-// sandboxd shim, protocol 1: line-delimited JSON-RPC 2.0 between the sandboxd
+// sandboxd shim, protocol 2: line-delimited JSON-RPC 2.0 between the sandboxd
 // daemon and the tools of one sandbox. See docs/shim.md.
 //
-// Fds: SANDBOXD_SHIM_FDS="OUT,IN" (the image's entrypoint sets "3,4"), else the
+// Transport: SANDBOXD_SHIM_SOCKET=PATH, a unix socket the daemon listens on; else
+// SANDBOXD_SHIM_FDS="OUT,IN" (the image's entrypoint sets "3,4"); else the
 // protocol is read from fd 0 and written to fd 1 (see io.setupFds).
 
 // Must run before anything touches process.stdout / process.stdin.
 const io = require('./io');
 
 const fdSetup = io.setupFds(process.env);
+const socketPath = process.env.SANDBOXD_SHIM_SOCKET;
 delete process.env.SANDBOXD_SHIM_FDS;
+delete process.env.SANDBOXD_SHIM_SOCKET;
+// Connect before any tool code can run: the daemon takes one connection per sandbox.
+const connecting = socketPath
+  ? io.connectSocket(socketPath, [fdSetup.inFd, fdSetup.outFd].filter((fd) => fd > 2))
+  : null;
+if (connecting) fdSetup.mode = `socket ${socketPath}`;
 
 if (!fdSetup.isolated || fdSetup.fd1 === 'devnull') require('./children').install();
 if (!fdSetup.isolated) {
@@ -30,7 +38,7 @@ const loader = require('./loader');
 const results = require('./result');
 const leftovers = require('./leftovers');
 
-const PROTOCOL = 1;
+const PROTOCOL = 2;
 const DEFAULT_MAX_RESULT_BYTES = 1024 * 1024;
 const MAX_LINE_BYTES = 64 * 1024 * 1024;
 
@@ -279,7 +287,7 @@ function onLine(line) {
       process.exit(0);
       return;
     case 'stats':
-      // Debugging aid (not part of protocol 1's contract): loader counters.
+      // Debugging aid (not part of the protocol's contract): loader counters.
       if (request) reply(msg.id, { ...loader.stats, calls, busy: current !== null });
       return;
     default:
@@ -290,7 +298,19 @@ function onLine(line) {
 
 // ---------------------------------------------------------------- start
 
-function start() {
+async function openProtocol() {
+  if (!connecting) return io.openReader(fdSetup.inFd);
+  try {
+    const { socket, fd } = await connecting;
+    fdSetup.outFd = fd;
+    return socket;
+  } catch (e) {
+    log(`cannot connect to the daemon's socket ${socketPath}: ${e.message}; exiting`);
+    return process.exit(1);
+  }
+}
+
+async function start() {
   if (fdSetup.note) log(fdSetup.note);
   const splitter = new io.LineSplitter(
     (line) => {
@@ -304,7 +324,7 @@ function start() {
     () => replyError(null, -32600, `message longer than ${MAX_LINE_BYTES} bytes skipped`),
     MAX_LINE_BYTES,
   );
-  const input = io.openReader(fdSetup.inFd);
+  const input = await openProtocol();
   input.on('data', (chunk) => splitter.push(chunk));
   input.on('end', () => process.exit(0));
   input.on('error', (e) => {
@@ -326,4 +346,7 @@ function start() {
   send({ jsonrpc: '2.0', method: 'ready', params: { protocol: PROTOCOL, node: process.version, pid: process.pid } });
 }
 
-start();
+start().catch((e) => {
+  log(`shim failed to start: ${e && e.stack ? e.stack : e}`);
+  process.exit(1);
+});

@@ -17,7 +17,7 @@ after(() => {
   for (const s of live) s.kill();
 });
 
-/** A shim child process with helpers to talk protocol 1 to it. */
+/** A shim child process with helpers to talk the shim protocol to it. */
 class Shim {
   constructor({ env = {}, args = [], fifo = false } = {}) {
     // Node's spawn() gives the child socketpairs; `sh -c 'cat | node | cat'` gives
@@ -169,7 +169,7 @@ describe('protocol basics', () => {
     const shim = new Shim();
     const ready = await shim.ready();
     assert.deepEqual(Object.keys(ready.params).sort(), ['node', 'pid', 'protocol']);
-    assert.equal(ready.params.protocol, 1);
+    assert.equal(ready.params.protocol, 2);
     assert.equal(ready.params.node, process.version);
     assert.equal(ready.params.pid, shim.proc.pid);
     assert.equal(shim.messages[0], ready, 'ready comes first');
@@ -710,5 +710,67 @@ describe('fds', () => {
     assert.match(out3, /quiet result/);
     assert.match(out1 + err, /child echo line/);
     assert.match(err, /\[fd_1\] console\.log line/);
+  });
+
+  test('SANDBOXD_SHIM_SOCKET: the protocol runs over the daemon\'s socket, fds 3/4 are closed', async () => {
+    const net = require('node:net');
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'shim-sock-'));
+    const sockPath = path.join(dir, 'shim.sock');
+    const server = net.createServer({ allowHalfOpen: true });
+    const accepted = new Promise((resolve) => server.once('connection', resolve));
+    await new Promise((resolve) => server.listen(sockPath, resolve));
+    const proc = spawn(process.execPath, [MAIN], {
+      stdio: ['ignore', 'pipe', 'pipe', 'pipe', 'pipe'],
+      env: { ...process.env, SANDBOXD_SHIM_FDS: '3,4', SANDBOXD_SHIM_SOCKET: sockPath },
+    });
+    let out3 = '';
+    let err = '';
+    proc.stdio[3].on('data', (d) => (out3 += d));
+    const stdoutClosed = new Promise((resolve) => proc.stdio[3].on('end', resolve));
+    proc.stderr.on('data', (d) => (err += d));
+    const exited = new Promise((r) => proc.on('exit', r));
+    after(() => proc.kill());
+    const conn = await accepted;
+    server.close();
+    let got = '';
+    const lines = [];
+    conn.on('data', (d) => {
+      got += d;
+      let nl;
+      while ((nl = got.indexOf('\n')) !== -1) {
+        lines.push(JSON.parse(got.slice(0, nl)));
+        got = got.slice(nl + 1);
+      }
+    });
+    const wait = async (pred) => {
+      for (let i = 0; i < 1000 && !lines.some(pred); i += 1) await new Promise((r) => setTimeout(r, 10));
+      const found = lines.find(pred);
+      assert.ok(found, `no such message; got ${JSON.stringify(lines)}; stderr ${err}`);
+      return found;
+    };
+    const ready = await wait((m) => m.method === 'ready');
+    assert.equal(ready.params.protocol, 2);
+    conn.write(`${JSON.stringify({ jsonrpc: '2.0', id: 1, method: 'call', params: { toolCallId: 's_1', entry: entry('hello'), arguments: { name: 'socket' } } })}\n`);
+    const res = await wait((m) => m.id === 1);
+    assert.equal(res.result.content[0].text, 'Hello, socket!');
+    // The wrapper's protocol fds were closed: the shim can no longer write to the container's stdout.
+    await stdoutClosed;
+    conn.end(); // the daemon going away ends the shim
+    const code = await exited;
+    assert.equal(code, 0, err);
+    assert.equal(out3, '', 'nothing may reach the old protocol fd');
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  test('SANDBOXD_SHIM_SOCKET that cannot be reached: exit 1 with the reason on stderr', async () => {
+    const proc = spawn(process.execPath, [MAIN], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+      env: { ...process.env, SANDBOXD_SHIM_FDS: '', SANDBOXD_SHIM_SOCKET: '/nonexistent/shim.sock' },
+    });
+    let err = '';
+    proc.stderr.on('data', (d) => (err += d));
+    const code = await new Promise((r) => proc.on('exit', r));
+    assert.equal(code, 1);
+    assert.match(err, /cannot connect to the daemon's socket \/nonexistent\/shim\.sock/);
   });
 });
