@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sandboxd.errors import ConfigError
 
@@ -93,6 +93,21 @@ class SandboxConfig(_Section):
     init: bool = Field(True, description="Run an init process as PID 1 that reaps zombies.")
     email_db: str = Field("{data_path}/{user}/emails.db", description="Host path of the user's email database.")
     docker_host: str | None = Field(None, description="Docker engine URL; default DOCKER_HOST or the local socket.")
+    transport: Literal["socket", "attach"] = Field(
+        "socket",
+        description="How the daemon talks to a sandbox's shim: socket = a unix socket bind-mounted into the sandbox "
+                    "(fast; needs an engine on this host); attach = the container's stdin/stdout over docker attach "
+                    "(works with a remote engine).",
+    )
+
+    @model_validator(mode="after")
+    def _socket_needs_a_local_engine(self) -> SandboxConfig:
+        if self.transport == "socket" and self.docker_host and not self.docker_host.startswith("unix://"):
+            raise ValueError(
+                f"transport 'socket' needs a Docker engine on this host, and docker_host is {self.docker_host}; "
+                "set sandbox.transport: attach for a remote engine"
+            )
+        return self
 
 
 def parse_listen_address(value: str) -> tuple[str, int] | Path:

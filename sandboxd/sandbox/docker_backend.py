@@ -1,8 +1,17 @@
-"""Docker backend: one hardened container per sandbox, the shim on its stdin/stdout.
+"""Docker backend: one hardened container per sandbox, its shim on a unix socket.
 
-The docker SDK is synchronous; its calls run in a small thread pool. The attach
-socket is handed to asyncio, which demultiplexes Docker's 8-byte frame headers
-(stream 1 stdout = the shim protocol, stream 2 stderr = tool output).
+The docker SDK is synchronous; its calls run in a small thread pool. Each sandbox
+has two connections, both handled by asyncio:
+
+- the shim protocol (``sandbox.transport: socket``, the default): the daemon listens
+  on a unix socket in a directory of its own, bind-mounted read-only into the
+  sandbox, and accepts exactly one connection, the shim's, made before any tool
+  code runs. A call then goes daemon ↔ node directly, not through dockerd and
+  containerd-shim (docs/performance.md). With ``transport: attach`` (a remote
+  engine) the protocol runs over the container's stdin/stdout instead.
+- docker attach: Docker's 8-byte frame headers demultiplexed (stream 2 stderr =
+  tool output; stream 1 stdout = the protocol in attach mode); its end is how the
+  daemon learns that a container exited.
 """
 
 from __future__ import annotations
@@ -11,7 +20,11 @@ import asyncio
 import concurrent.futures
 import os
 import secrets
+import shutil
+import socket
 import struct
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 import docker
@@ -38,6 +51,9 @@ LABEL_MANAGED = "org.sandboxd.managed"
 LABEL_INSTANCE = "org.sandboxd.instance"
 LABEL_USER = "org.sandboxd.user"
 _FRAME = struct.Struct(">BxxxL")
+CONTAINER_SHIM_DIR = "/officer/run"
+EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit
+SHIM_SOCKET_NAME = "shim.sock"
 
 # Errors that mean "the engine is not there", as opposed to "it said no".
 _UNREACHABLE = (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError)
@@ -63,8 +79,63 @@ def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
     }
 
 
+class _ShimListener:
+    """The socket one sandbox's shim connects to, in a directory only that sandbox mounts.
+
+    The parent directory is the daemon's own (0700), so on the host only root and the
+    daemon's user can reach the socket; inside the sandbox only the shim connects,
+    before any tool code runs, and the listener is gone after that one connection.
+    """
+
+    def __init__(self, parent: Path, instance: str) -> None:
+        self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
+        self.dir.mkdir(mode=0o755)
+        os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Through the directory's fd: a socket path longer than 108 bytes still binds.
+            dir_fd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY)
+            try:
+                self.sock.bind(f"/proc/self/fd/{dir_fd}/{SHIM_SOCKET_NAME}")
+            finally:
+                os.close(dir_fd)
+            os.chmod(self.dir / SHIM_SOCKET_NAME, 0o666)  # the sandbox's uid may differ from ours
+            self.sock.listen(1)
+            self.sock.setblocking(False)
+        except BaseException:
+            self.close()
+            raise
+
+    async def accept(self) -> socket.socket:
+        conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
+        return conn
+
+    def close(self) -> None:
+        """Stop listening and remove the socket and its directory (the sandbox keeps its open connection)."""
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _ShimSocketProtocol(asyncio.Protocol):
+    """The shim protocol over the sandbox's socket."""
+
+    def __init__(self, sandbox: DockerSandbox) -> None:
+        self._sandbox = sandbox
+
+    def data_received(self, data: bytes) -> None:
+        self._sandbox.channel.feed(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._sandbox.transport_closed()
+
+
 class _AttachProtocol(asyncio.Protocol):
-    """Demultiplexes the attach stream: stdout frames to the shim channel, stderr to the tail."""
+    """Demultiplexes the attach stream: stderr to the tail, stdout to the shim channel.
+
+    In socket mode nothing writes to stdout once the shim has connected (it closes the
+    fds that pointed there); what does arrive there before that is an older image's
+    shim saying ready, which the protocol check then refuses with a clear message.
+    """
 
     def __init__(self, sandbox: DockerSandbox) -> None:
         self._sandbox = sandbox
@@ -87,6 +158,7 @@ class _AttachProtocol(asyncio.Protocol):
         del buffer[:offset]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._sandbox.attach_ended.set()
         self._sandbox.transport_closed()
 
 
@@ -95,20 +167,26 @@ class DockerSandbox(ShimSandbox):
         super().__init__(container_id[:12], user, max_line_bytes)
         self.container_id = container_id
         self._backend = backend
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport | None = None  # the attach stream
+        self.shim_transport: asyncio.Transport | None = None  # the shim's socket (socket mode)
         self.attach: Any = None
+        self.attach_ended = asyncio.Event()  # the container's output ended: it exited
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        transport = self.shim_transport or self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
 
-    def close_attach(self) -> None:
-        """Really close the attach connection: asyncio closing its socket is not enough.
+    def close_transports(self) -> None:
+        """Close the shim's socket and really close the attach connection.
 
-        The SDK's wrapper holds a second reference, so the fd stays open; Docker keeps
-        copying the container's output into it, and with nobody reading, `docker rm -f`
-        hangs behind the full pipe (a tool flooding its protocol stream showed it).
+        For attach, asyncio closing its socket is not enough: the SDK's wrapper holds a
+        second reference, so the fd stays open; Docker keeps copying the container's
+        output into it, and with nobody reading, `docker rm -f` hangs behind the full
+        pipe (a tool flooding its protocol stream showed it).
         """
+        if self.shim_transport is not None:
+            self.shim_transport.close()
         if self.transport is not None:
             self.transport.close()
         if self.attach is not None:
@@ -125,11 +203,18 @@ class DockerSandbox(ShimSandbox):
 class DockerBackend:
     name = "docker"
 
-    def __init__(self, config: SandboxConfig, *, instance: str, max_line_bytes: int) -> None:
+    def __init__(self, config: SandboxConfig, *, instance: str, max_line_bytes: int,
+                 shim_dir: Path | None = None) -> None:
+        """``shim_dir`` holds the sandboxes' socket directories (socket transport): a
+        directory of this daemon's own that the Docker engine can see at the same path.
+        None = a private temporary directory, removed by ``close``."""
         self.config = config
         self.instance = instance
         self.max_line_bytes = max_line_bytes
         self.user = sandbox_user(config.user)
+        self._shim_dir = shim_dir
+        self._shim_dir_is_temporary = shim_dir is None
+        self._shim_dir_ready = False
         self._api: docker.APIClient | None = None
         # Enough threads that a burst of starts does not queue behind slow removes.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="docker")
@@ -167,6 +252,22 @@ class DockerBackend:
                 "and sandboxd recovers by itself.",
             ) from None
 
+    def shim_dir(self) -> Path:
+        """The directory of the sandboxes' socket directories: ours alone (0700), emptied of
+        what an earlier run left."""
+        if self._shim_dir is None:
+            self._shim_dir = Path(tempfile.mkdtemp(prefix="sandboxd-shims-"))
+        if not self._shim_dir_ready:
+            path = self._shim_dir
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if path.is_symlink() or path.stat().st_uid != os.geteuid():
+                raise BackendUnavailable(f"{path} must be a directory owned by sandboxd's user; remove it and restart.")
+            os.chmod(path, 0o700)
+            for stale in path.iterdir():  # sockets of sandboxes an earlier run started
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+            self._shim_dir_ready = True
+        return self._shim_dir
+
     def ping(self) -> bool:
         try:
             return bool(self.api().ping())
@@ -177,9 +278,25 @@ class DockerBackend:
     # -- the Backend interface ------------------------------------------------
 
     async def start(self, spec: SandboxSpec) -> DockerSandbox:
+        listener = None
+        if self.config.transport == "socket":
+            engine = self.config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
+            if not engine.startswith("unix://"):
+                raise BackendUnavailable(
+                    f"sandbox.transport is socket, but the Docker engine at {engine} is not on this host; "
+                    "set sandbox.transport: attach for a remote engine."
+                )
+            listener = _ShimListener(self.shim_dir(), self.instance)
+        try:
+            return await self._start(spec, listener)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    async def _start(self, spec: SandboxSpec, listener: _ShimListener | None) -> DockerSandbox:
         # The create runs on in its thread even if we are cancelled: wait for it and
         # remove what it made, or shutdown would leave that container behind.
-        create = asyncio.ensure_future(self._run(self._create, spec))
+        create = asyncio.ensure_future(self._run(self._create, spec, listener.dir if listener else None))
         try:
             container_id = await asyncio.shield(create)
         except asyncio.CancelledError:
@@ -191,13 +308,15 @@ class DockerBackend:
         self._retry_unremoved()
         sandbox: DockerSandbox | None = None
         try:
-            attach = await self._run(self._attach, container_id)
+            attach = await self._run(self._attach, container_id, listener is None)
             sandbox = DockerSandbox(self, container_id, spec.user, self.max_line_bytes)
             sandbox.attach = attach  # the SDK's socket wrapper closes the fd when collected
             loop = asyncio.get_running_loop()
             raw = getattr(attach, "_sock", attach)
             sandbox.transport, _ = await loop.create_connection(lambda: _AttachProtocol(sandbox), sock=raw)
             await self._run(lambda: self.api().start(container_id))
+            if listener is not None:
+                await self._connect_shim(sandbox, listener)
             ready = await sandbox.channel.ready
             if ready.get("protocol") != SHIM_PROTOCOL:
                 raise BackendUnavailable(
@@ -209,17 +328,35 @@ class DockerBackend:
             # Cancelled or failed half-way: never leave the container behind.
             if sandbox is not None:
                 sandbox.destroying = True
-                sandbox.close_attach()
+                sandbox.close_transports()
             await asyncio.shield(self._remove_quiet(container_id))
             if isinstance(exc, SandboxFailed):
                 tail = " | ".join(sandbox.stderr_tail) if sandbox is not None else ""
                 raise BackendUnavailable(f"a sandbox exited before its shim was ready: {tail or exc.message}") from None
             raise
 
+    @staticmethod
+    async def _connect_shim(sandbox: DockerSandbox, listener: _ShimListener) -> None:
+        """Wait for the shim's one connection, or for the sandbox to end first."""
+        accept = asyncio.ensure_future(listener.accept())
+        try:
+            await asyncio.wait({accept, sandbox.channel.ready}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not accept.done():
+                accept.cancel()
+        if not accept.done() or accept.cancelled():
+            # Exited before connecting (raises its reason), or an older image said ready
+            # on stdout (the protocol check refuses it).
+            await sandbox.channel.ready
+            return
+        conn = accept.result()
+        loop = asyncio.get_running_loop()
+        sandbox.shim_transport, _ = await loop.create_connection(lambda: _ShimSocketProtocol(sandbox), sock=conn)
+
     async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
         sandbox.destroying = True
         sandbox.channel.shutdown()
-        sandbox.close_attach()
+        sandbox.close_transports()
         await self._remove_quiet(sandbox.container_id)
 
     async def list_owned(self) -> list[str]:
@@ -229,6 +366,8 @@ class DockerBackend:
         return [c["Id"] for c in containers]
 
     async def remove_orphans(self) -> int:
+        if self.config.transport == "socket":
+            self.shim_dir()  # also removes the socket directories an earlier run left
         owned = await self.list_owned()
         await asyncio.gather(*(self._remove_quiet(cid) for cid in owned))
         return len(owned)
@@ -243,16 +382,27 @@ class DockerBackend:
             except TimeoutError:
                 pass
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._shim_dir is not None and self._shim_dir_is_temporary:
+            shutil.rmtree(self._shim_dir, ignore_errors=True)
 
     async def exit_reason(self, sandbox: DockerSandbox) -> SandboxFailed:
         """Why a container ended, in words an agent can act on."""
+        # The shim's socket closes the moment node dies; the container's exit (and the
+        # engine's record of why: OOM, exit code) follows. Wait for it, briefly.
+        try:
+            await asyncio.wait_for(sandbox.attach_ended.wait(), EXIT_WAIT_S)
+        except TimeoutError:
+            pass
         try:
             state = (await self._run(lambda: self.api().inspect_container(sandbox.container_id)))["State"]
         except Exception:
             state = {}
         code, oom = state.get("ExitCode"), bool(state.get("OOMKilled"))
         tail = "\n".join(sandbox.stderr_tail)
-        if oom:
+        if state.get("Running") and not oom:
+            message = ("The tool's sandbox closed its protocol connection during the call: a tool must not close "
+                       "the shim's file descriptors. The sandbox was stopped.")
+        elif oom:
             message = (
                 f"The tool ran out of memory: its sandbox is limited to {self.config.memory} and was killed. "
                 "Process less data at once, stream it, or write it to a file."
@@ -273,7 +423,7 @@ class DockerBackend:
 
     # -- blocking Docker calls (run in the executor) ---------------------------
 
-    def _create(self, spec: SandboxSpec) -> str:
+    def _create(self, spec: SandboxSpec, shim_dir: Path | None) -> str:
         cfg = self.config
         self._prepare_dirs(spec)
         mounts = [
@@ -288,6 +438,10 @@ class DockerBackend:
                  "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
         if spec.email_db is not None and spec.email_db.is_file():
             mounts.append(Mount(CONTAINER_EMAIL_DB, str(spec.email_db), type="bind", read_only=False))
+        environment = sandbox_env(spec)
+        if shim_dir is not None:
+            mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
+            environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
         host_config = self.api().create_host_config(
             mounts=mounts,
             tmpfs=tmpfs,
@@ -310,10 +464,10 @@ class DockerBackend:
         container = self.api().create_container(
             cfg.image,
             name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}",
-            stdin_open=True,
+            stdin_open=shim_dir is None,  # the protocol's way in, in attach mode only
             tty=False,
             user=self.user,
-            environment=sandbox_env(spec),
+            environment=environment,
             working_dir=CONTAINER_USER,
             labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user},
             host_config=host_config,
@@ -331,10 +485,10 @@ class DockerBackend:
             if (stat.st_uid, stat.st_gid) != (uid, gid):
                 os.chown(spec.user_dir, uid, gid)
 
-    def _attach(self, container_id: str) -> Any:
+    def _attach(self, container_id: str, with_stdin: bool) -> Any:
         # Attach before start with logs=0, so no early output is lost or replayed.
         sock = self.api().attach_socket(
-            container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
+            container_id, params={"stdin": int(with_stdin), "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
         )
         raw = getattr(sock, "_sock", sock)
         raw.settimeout(None)  # the SDK leaves a 60 s timeout on it

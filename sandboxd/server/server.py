@@ -44,7 +44,10 @@ def make_backend(config: Config) -> Backend:
     if config.backend == "docker":
         from sandboxd.sandbox.docker_backend import DockerBackend
 
-        return DockerBackend(config.sandbox, instance=instance_id(config), max_line_bytes=max_line)
+        # Beside the API socket: a runtime directory the engine sees at the same path
+        # (unlike a service's private /tmp).
+        shim_dir = config.socket.parent / f"{config.socket.name}.shims"
+        return DockerBackend(config.sandbox, instance=instance_id(config), max_line_bytes=max_line, shim_dir=shim_dir)
     if config.backend == "process":
         from sandboxd.sandbox.process_backend import ProcessBackend
 

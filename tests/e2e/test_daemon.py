@@ -353,6 +353,53 @@ def test_disconnect_frees_the_sandbox(make_daemon: Any) -> None:
         assert time.monotonic() - started < 20  # not behind the 60 s sleep of the one who left
 
 
+# -- transports --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["socket", "attach"])
+def test_each_transport_serves_results_progress_crashes_and_timeouts(make_daemon: Any, transport: str) -> None:
+    daemon = make_daemon(f"sandbox:\n  transport: {transport}\n  memory: 96m\npool:\n  min_idle: 0\n")
+    with daemon.client() as client:
+        assert call(client, "hello", {"name": transport})["content"][0]["text"] == f"Hello, {transport}!"
+        steps: list[str] = []
+        client.request("tools/call", {"user": A, "name": "progress", "arguments": {"steps": 3}},
+                       on_progress=lambda p: steps.append(p["content"][0]["text"]))
+        assert steps == ["step 1", "step 2", "step 3"]
+        assert call(client, "thrower")["status"] == "error"
+        exited = call(client, "exiter", {"code": 3})
+        assert exited["status"] == "crashed" and "code 3" in exited["content"][0]["text"]
+        hog = call(client, "memory_hog", timeoutMs=60000)
+        assert hog["status"] == "crashed" and "96m" in hog["content"][0]["text"]
+        assert call(client, "sleeper", {"ms": 60000}, timeoutMs=500)["status"] == "timeout"
+        assert call(client, "hello", {"name": "again"})["status"] == "ok"
+
+
+def test_the_shim_socket_is_gone_once_the_shim_connected(make_daemon: Any, docker_api: Any) -> None:
+    daemon = make_daemon(start=False)
+    shims = daemon.socket.parent / f"{daemon.socket.name}.shims"
+    (shims / "left-by-a-killed-run").mkdir(parents=True)
+    daemon.start()
+    with daemon.client() as client:
+        assert call(client, "hello", {"name": "x"})["status"] == "ok"
+        deadline = time.monotonic() + 20  # the warm spare is started after the call
+        while client.request("sandbox/status")["pool"]["totals"]["idle"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert shims.stat().st_mode & 0o777 == 0o700  # on the host, only the daemon's user gets in
+    assert list(shims.iterdir()) == []  # an earlier run's leftovers, and each sandbox's socket once used
+    for container in daemon.containers(docker_api):
+        listing = subprocess.run(["docker", "exec", container["Id"], "ls", "-A", "/officer/run"],
+                                 capture_output=True, text=True, timeout=30)
+        assert listing.returncode == 0 and listing.stdout == "", listing  # nothing left to connect to
+
+
+def test_socket_transport_with_a_remote_engine_is_refused_at_start_up(make_daemon: Any) -> None:
+    daemon = make_daemon("sandbox:\n  docker_host: tcp://127.0.0.1:2375\n", start=False)
+    result = subprocess.run([sys.executable, "-m", "sandboxd", "serve", "--config", str(daemon.config_path)],
+                            capture_output=True, text=True, timeout=60, env=daemon.env)
+    assert result.returncode != 0
+    assert "sandbox.transport: attach" in result.stderr
+
+
 # -- lifecycle ---------------------------------------------------------------------------
 
 

@@ -234,7 +234,7 @@ def test_unserializable_results_are_errors(hostile: Daemon, docker_api: Any, att
 @pytest.mark.parametrize(("tool", "arguments", "fragment"), [
     ("exit_midcall", {}, "exit code 0"),
     ("self_kill", {}, "SIGKILL"),
-    ("stdout_closer", {"target": "protocol"}, "exit code 0"),
+    ("protocol_forger", {"what": "close"}, "exit code 0"),
 ])
 def test_a_sandbox_that_dies_mid_call_is_crashed_and_replaced(hostile: Daemon, docker_api: Any, attacker: str,
                                                               tool: str, arguments: dict[str, Any], fragment: str) -> None:
@@ -248,7 +248,7 @@ def test_a_sandbox_that_dies_mid_call_is_crashed_and_replaced(hostile: Daemon, d
 
 def test_closing_stdout_is_harmless(hostile: Daemon, attacker: str) -> None:
     with hostile.client() as client:
-        result = call(client, attacker, "stdout_closer", {"target": "stdout"})
+        result = call(client, attacker, "stdout_closer")
         assert result["status"] == "ok" and text_of(result) == "still here"
         assert call(client, attacker, "hello", {"name": "next"})["status"] == "ok"
 

@@ -41,6 +41,8 @@ def test_yaml_then_env_then_flags(tmp_path: Path) -> None:
         ("socket_mode: '0999'\n", "socket_mode"),
         ("pool: [1, 2\n", "not valid YAML at line"),
         ("- a\n- b\n", "must hold a mapping"),
+        ("sandbox:\n  transport: pipes\n", "sandbox.transport"),
+        ("sandbox:\n  docker_host: tcp://10.0.0.5:2376\n", "set sandbox.transport: attach for a remote engine"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path: Path, text: str, fragment: str) -> None:
@@ -73,3 +75,9 @@ def test_every_key_is_documented() -> None:
 def test_default_image_matches_the_image_version() -> None:
     version = (REPO / "images" / "node" / "VERSION").read_text().strip()
     assert RUNNER_IMAGE == f"sandboxd/node:{version}"
+
+
+def test_a_remote_engine_works_over_attach(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("sandbox:\n  docker_host: tcp://10.0.0.5:2376\n  transport: attach\n")
+    assert load_config(path, environ={}).sandbox.transport == "attach"
