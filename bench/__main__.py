@@ -32,7 +32,7 @@ from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
-            "overhead")
+            "attach", "overhead")
 BENCH_CONFIG = """\
 # Written by `python -m bench`. Defaults everywhere, except room for every benchmark user's sandboxes.
 pool:
@@ -174,17 +174,16 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
     return out
 
 
-def run_overhead(root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
-    """sandboxd's own cost: the same calls against the in-memory fake backend (no Docker, no Node)."""
+def run_variant(root: Path, run_id: str, args: argparse.Namespace, config: str, tag: str) -> dict[str, Any]:
+    """Warm latency and the largest throughput run of a daemon configured otherwise."""
     out: dict[str, Any] = {}
-    daemon = d.BenchDaemon(root, BENCH_CONFIG + "backend: fake\n", fresh_tools=0)
-    say("sandboxd alone: the fake backend (no Docker)")
+    daemon = d.BenchDaemon(root, BENCH_CONFIG + config, fresh_tools=0)
     daemon.start()
     try:
-        out["warm"] = d.warm_latency(daemon, f"fake-{run_id}@bench.example", args.calls, warmup=500)
+        out["warm"] = d.warm_latency(daemon, f"{tag}-{run_id}@bench.example", args.calls, warmup=500)
         if "throughput" not in args.skip:
             n = max(args.clients)
-            targets = [(str(daemon.socket), f"fake{i % 4}-{run_id}@bench.example") for i in range(n)]
+            targets = [(str(daemon.socket), f"{tag}{i % 4}-{run_id}@bench.example") for i in range(n)]
             out["throughput"] = throughput("daemon", targets, duration=args.duration, warmup=200, daemon_pid=daemon.pid)
     finally:
         daemon.stop()
@@ -247,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         if "floors" not in args.skip:
             results["floors"] = run_floors(api, cfg, run_id, args)
         results["daemon"] = run_daemon(api, root / "docker", run_id, args)
+        if "attach" not in args.skip:
+            say("the same daemon over the attach transport (sandbox.transport: attach)")
+            results["attach_transport"] = run_variant(
+                root / "attach", run_id, args, f"sandbox:\n  image: {args.image}\n  transport: attach\n", "attach")
         if "overhead" not in args.skip:
-            results["overhead"] = run_overhead(root / "fake", run_id, args)
+            say("sandboxd alone: the fake backend (no Docker)")
+            results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")
     finally:
         for container in api.containers(all=True, filters={"label": f"{f.LABEL}={run_id}"}):
             api.remove_container(container["Id"], force=True)

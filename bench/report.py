@@ -144,6 +144,18 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         out.append(("another user's calls during a refill, p99", _ms(inside.get("p99_ms")),
                     f"the same calls outside {_ms(base.get('p99_ms'))}", _x(ratio(inside.get("p99_ms"), base.get("p99_ms"))),
                     "", "—"))
+    via = r.get("attach_transport", {})
+    if via.get("warm"):
+        w = via["warm"]
+        out.append(("the same daemon over the attach transport: warm call p50", _ms(w.get("p50_ms")),
+                    f"raw attach echo {_ms(attach.get('p50_ms'))}", _x(ratio(w.get("p50_ms"), attach.get("p50_ms"))), "", "—"))
+        out.append(("… its p99", _ms(w.get("p99_ms")), f"raw attach echo {_ms(attach.get('p99_ms'))}",
+                    _x(ratio(w.get("p99_ms"), attach.get("p99_ms"))), "", "—"))
+    if via.get("throughput"):
+        tp = via["throughput"]
+        floor = floor_tp.get(tp["clients"], {}).get("calls_per_s")
+        out.append((f"… its throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
+                    f"raw attach {floor:,.0f}/s" if floor else "", _x(ratio(tp["calls_per_s"], floor)), "", "—"))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
