@@ -71,7 +71,9 @@ class PoolConfig(_Section):
     max_total: int = Field(32, ge=1, description="Sandboxes the daemon may hold at once.")
     min_idle: int = Field(1, ge=0, description="Warm sandboxes kept for a user after their first call.")
     idle_ttl_s: float = Field(300.0, gt=0, description="A user idle this long loses their warm sandboxes.")
-    max_calls_per_sandbox: int = Field(500, ge=1, description="A sandbox is recycled after this many calls.")
+    # Each replacement costs ~0.15 s of CPU (node, esbuild, docker create/start): at 500 a
+    # busy daemon spent most of a core on them (docs/performance.md).
+    max_calls_per_sandbox: int = Field(10_000, ge=1, description="A sandbox is recycled after this many calls.")
     acquire_timeout_ms: int = Field(10_000, gt=0, description="How long a call may queue for a sandbox (then -32001).")
     start_timeout_ms: int = Field(30_000, gt=0, description="How long a sandbox may take to start and say ready.")
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long calls in flight may finish at shutdown.")
