@@ -224,7 +224,7 @@ def text(result: dict) -> str:
 def test_image_metadata(client):
     img = client.images.get(IMAGE)
     labels = img.labels or {}
-    assert labels.get("org.sandboxd.shim-protocol") == "1"
+    assert labels.get("org.sandboxd.shim-protocol") == str(SHIM_PROTOCOL)
     assert labels.get("org.sandboxd.version") == VERSION
     assert img.attrs["Config"]["User"] == "1000:1000"
 
