@@ -132,9 +132,10 @@ class _ShimSocketProtocol(asyncio.Protocol):
 class _AttachProtocol(asyncio.Protocol):
     """Demultiplexes the attach stream: stderr to the tail, stdout to the shim channel.
 
-    In socket mode nothing writes to stdout once the shim has connected (it closes the
-    fds that pointed there); what does arrive there before that is an older image's
-    shim saying ready, which the protocol check then refuses with a clear message.
+    In socket mode the shim closes the fds that pointed to stdout once it has connected,
+    and whatever still arrives there (a tool writing to init's stdout) is tool output.
+    Before the connection, stdout is an older image's shim saying ready, which the
+    protocol check then refuses with a clear message.
     """
 
     def __init__(self, sandbox: DockerSandbox) -> None:
@@ -151,9 +152,9 @@ class _AttachProtocol(asyncio.Protocol):
                 break
             payload = bytes(buffer[offset + 8 : offset + 8 + size])
             offset += 8 + size
-            if stream == 1:
+            if stream == 1 and self._sandbox.shim_transport is None:
                 self._sandbox.channel.feed(payload)
-            elif stream == 2:
+            else:
                 self._sandbox.stderr_data(payload)
         del buffer[:offset]
 
@@ -264,7 +265,10 @@ class DockerBackend:
                 raise BackendUnavailable(f"{path} must be a directory owned by sandboxd's user; remove it and restart.")
             os.chmod(path, 0o700)
             for stale in path.iterdir():  # sockets of sandboxes an earlier run started
-                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
             self._shim_dir_ready = True
         return self._shim_dir
 

@@ -219,6 +219,13 @@ def test_a_tool_writing_to_the_protocol_fd_crashes_only_its_sandbox(hostile: Dae
     assert_bystanders_served(hostile, (attacker, BYSTANDER_A))
 
 
+def test_the_containers_stdout_is_not_the_protocol_over_the_socket(hostile: Daemon, attacker: str) -> None:
+    with hostile.client() as client:
+        result = call(client, attacker, "protocol_forger", {"what": "init_stdout"})
+        assert result["status"] == "ok", result  # read as tool output, not as a protocol line
+        assert call(client, attacker, "hello", {"name": "next"})["status"] == "ok"
+
+
 # -- results and exits ------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-import { closeSync, readdirSync, readlinkSync, writeSync } from "node:fs";
+import { closeSync, readdirSync, readlinkSync, writeFileSync, writeSync } from "node:fs";
 
 /** The shim's protocol fd: the lowest-numbered socket or pipe above stderr (fd 3 over
  *  attach; over the socket transport, the socket, which the shim opens first). */
@@ -15,6 +15,11 @@ function protocolFd(): number {
 }
 
 export async function execute(_id: string, params: { what: string }) {
+  if (params.what === "init_stdout") {
+    // The container's stdout, which is the protocol's way out over the attach transport.
+    writeFileSync("/proc/1/fd/1", "this is not the shim protocol\n");
+    return { content: [{ type: "text", text: "wrote to init's stdout" }] };
+  }
   const fd = protocolFd();
   if (params.what === "close") {
     closeSync(fd);
