@@ -135,7 +135,7 @@ class BenchDaemon:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 totals = self.status(conn)["pool"]["totals"]
-                if totals["starting"] == 0 and totals["busy"] == 0 and totals["waiting"] == 0:
+                if not (totals["starting"] or totals["busy"] or totals.get("stopping") or totals["waiting"]):
                     return
                 time.sleep(0.05)
             raise RuntimeError(f"the pool did not settle within {timeout} s: {totals}")

@@ -124,10 +124,12 @@ def format_status(status: dict[str, Any]) -> str:
         + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
         + (" — STOPPING" if status.get("stopping") else "")
         + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight",
-        f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting; {totals['waiting']} calls queued",
+        f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, "
+        f"{totals.get('stopping', 0)} stopping; {totals['waiting']} calls queued",
     ]
     for user, row in sorted(pool["users"].items()):
-        lines.append(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, {row['waiting']} queued")
+        lines.append(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, "
+                     f"{row.get('stopping', 0)} stopping, {row['waiting']} queued")
     if counters:
         lines.append(f"lifecycle: {counters.get('started', 0)} started, {counters.get('destroyed', 0)} destroyed, "
                      f"{counters.get('killed', 0)} killed, {counters.get('crashed', 0)} crashed, "

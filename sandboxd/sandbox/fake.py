@@ -1,8 +1,9 @@
 """An in-memory backend: pool and server logic tested in milliseconds.
 
 Each fake sandbox answers a call by running ``handler(request, on_progress)``
-(by default an echo of the arguments). Tests steer starts with ``start_delay``
-and ``start_error``, and kill sandboxes with ``FakeSandbox.die``.
+(by default an echo of the arguments). Tests steer starts and destroys with
+``start_delay``, ``destroy_delay`` and ``start_error``, and kill sandboxes with
+``FakeSandbox.die``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class FakeBackend:
     def __init__(self, handler: Handler = echo_handler) -> None:
         self.handler = handler
         self.start_delay = 0.0
+        self.destroy_delay = 0.0
         self.start_error: Exception | None = None
         self.sandboxes: dict[str, FakeSandbox] = {}  # live, owned by this backend
         self.destroyed: list[str] = []
@@ -109,6 +111,8 @@ class FakeBackend:
         return sandbox
 
     async def destroy(self, sandbox: FakeSandbox) -> None:  # type: ignore[override]
+        if self.destroy_delay:
+            await asyncio.sleep(self.destroy_delay)
         if sandbox.id in self.sandboxes:
             del self.sandboxes[sandbox.id]
             self.destroyed.append(sandbox.id)

@@ -5,6 +5,11 @@ changes in one synchronous method, ``_plan``, which hands idle sandboxes to
 waiters and returns what to start and what to destroy. The backend calls (slow,
 fallible) happen after, in ``_apply``. A caller that is cancelled while it waits
 never leaks a slot: ``acquire`` gives back whatever it was handed.
+
+A sandbox being destroyed stays in ``_sandboxes`` (STOPPING) until the backend has
+removed it, so the limits bound the containers that exist, not just the usable
+ones: a tool that times out again and again cannot pile up containers still
+burning CPU while the engine works through their removals.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class State(enum.Enum):
     STARTING = "starting"
     IDLE = "idle"
     BUSY = "busy"
+    STOPPING = "stopping"  # being destroyed; still counts against the limits
 
 
 @dataclass(eq=False)
@@ -59,6 +65,7 @@ class _Counts:
     total: int = 0
     starting: int = 0
     idle: int = 0
+    stopping: int = 0
 
     def add(self, state: State, n: int) -> None:
         self.total += n
@@ -66,6 +73,8 @@ class _Counts:
             self.starting += n
         elif state is State.IDLE:
             self.idle += n
+        elif state is State.STOPPING:
+            self.stopping += n
 
 
 @dataclass
@@ -144,8 +153,7 @@ class Pool:
             else:
                 if not reusable:
                     self.stats["killed" if self._alive(pooled) else "crashed"] += 1
-                self._sandboxes.remove(pooled)
-                self._apply(Plan(destroy=[pooled]))
+                self._apply(Plan(destroy=[self._stopping(pooled, now)]))
         self._apply(self._plan())
 
     def retire_all(self) -> None:
@@ -171,7 +179,7 @@ class Pool:
         deadline = self._clock() + grace
         while any(p.state is State.BUSY for p in self._sandboxes) and self._clock() < deadline:
             await asyncio.sleep(0.05)
-        doomed = list(self._sandboxes)
+        doomed = [p for p in self._sandboxes if p.state is not State.STOPPING]  # those are on their way already
         self._sandboxes.clear()
         # Starts are cancelled (the backend removes a half-made sandbox); destroys run to the end.
         for task in list(self._starts):
@@ -192,17 +200,18 @@ class Pool:
             counts[pooled.state] += 1
         return (
             f"<Pool [starting: {counts[State.STARTING]}, idle: {counts[State.IDLE]}, "
-            f"busy: {counts[State.BUSY]}, waiting: {len(self._waiters)}]>"
+            f"busy: {counts[State.BUSY]}, stopping: {counts[State.STOPPING]}, waiting: {len(self._waiters)}]>"
         )
 
     def status(self) -> dict[str, Any]:
+        keys = ("starting", "idle", "busy", "stopping", "waiting")
         users: dict[str, dict[str, int]] = {}
         for pooled in self._sandboxes:
-            row = users.setdefault(pooled.user, {"starting": 0, "idle": 0, "busy": 0, "waiting": 0})
+            row = users.setdefault(pooled.user, dict.fromkeys(keys, 0))
             row[pooled.state.value] += 1
         for waiter in self._waiters:
-            users.setdefault(waiter.user, {"starting": 0, "idle": 0, "busy": 0, "waiting": 0})["waiting"] += 1
-        totals = {key: sum(row[key] for row in users.values()) for key in ("starting", "idle", "busy", "waiting")}
+            users.setdefault(waiter.user, dict.fromkeys(keys, 0))["waiting"] += 1
+        totals = {key: sum(row[key] for row in users.values()) for key in keys}
         return {"totals": totals, "users": users, "counters": dict(self.stats)}
 
     # -- the state machine --------------------------------------------------
@@ -217,9 +226,9 @@ class Pool:
             return plan
         now, cfg = self._clock(), self.config
 
-        # 1. Drop idle sandboxes that died, that belong to users gone quiet, or beyond min_idle past the TTL.
-        #    The same pass counts what stays, per user (this runs twice per call: one pass, not one
-        #    per user); _new, _make_room and step 2 keep the counts current.
+        # 1. Stop idle sandboxes that died, that belong to users gone quiet, or beyond min_idle past the TTL.
+        #    The same pass counts every sandbox per user, stopping ones included (this runs twice per
+        #    call: one pass, not one per user); _new, _make_room and step 2 keep the counts current.
         counts: dict[str, _Counts] = {}
         idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
         ttl, last_call = cfg.idle_ttl_s, self._last_call
@@ -235,21 +244,16 @@ class Pool:
                     if not alive:
                         # Died while idle, noticed here before _sandbox_died ran: count it once, here.
                         self.stats["crashed"] += 1
-                    self._sandboxes.remove(pooled)
-                    plan.destroy.append(pooled)
-                    continue
-                if kept is None:
+                    plan.destroy.append(self._stopping(pooled, now))
+                    state = State.STOPPING
+                elif kept is None:
                     idle_of[user] = [pooled]
                 else:
                     kept.append(pooled)
             row = counts.get(user)
             if row is None:
                 row = counts[user] = _Counts()
-            row.total += 1
-            if state is State.STARTING:
-                row.starting += 1
-            elif state is State.IDLE:
-                row.idle += 1
+            row.add(state, 1)
         for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
             if user not in counts and not any(w.user == user for w in self._waiters):
                 del self._last_call[user]
@@ -299,21 +303,25 @@ class Pool:
         return pooled
 
     def _make_room(self, user: str, plan: Plan, counts: dict[str, _Counts], *, evict: bool) -> bool:
-        """True if one more sandbox for ``user`` fits, evicting another user's idle one if allowed."""
+        """True if one more sandbox for ``user`` fits now.
+
+        With ``evict``, a full pool stops another user's longest-idle sandbox; the room is
+        there once it is gone (its destroy re-plans), so one eviction at a time: while any
+        sandbox is stopping, room is already on its way.
+        """
         if user in counts and counts[user].total >= self.config.max_per_user:
             return False
         if len(self._sandboxes) < self.config.max_total:
             return True
-        if not evict:
+        if not evict or any(row.stopping for row in counts.values()):
             return False
         others = [p for p in self._sandboxes if p.state is State.IDLE and p.user != user]
-        if not others:
-            return False
-        victim = min(others, key=lambda p: p.since)  # the longest idle
-        self._sandboxes.remove(victim)
-        counts[victim.user].add(State.IDLE, -1)
-        plan.destroy.append(victim)
-        return True
+        if others:
+            victim = min(others, key=lambda p: p.since)  # the longest idle
+            counts[victim.user].idle -= 1
+            counts[victim.user].stopping += 1
+            plan.destroy.append(self._stopping(victim, self._clock()))
+        return False
 
     # -- side effects -------------------------------------------------------
 
@@ -325,6 +333,8 @@ class Pool:
         for pooled in plan.destroy:
             if pooled.sandbox is not None:
                 self._spawn(self._destroy(pooled))
+            elif pooled in self._sandboxes:  # nothing to remove: its room is free at once
+                self._sandboxes.remove(pooled)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -374,12 +384,23 @@ class Pool:
         """An idle sandbox died (engine restart, killed from outside): replace it in the background."""
         if pooled in self._sandboxes and pooled.state is State.IDLE:
             self.stats["crashed"] += 1
-            self._sandboxes.remove(pooled)
-            self._apply(Plan(destroy=[pooled]))
+            self._apply(Plan(destroy=[self._stopping(pooled, self._clock())]))
             self._apply(self._plan())
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
+
+    @staticmethod
+    def _stopping(pooled: PooledSandbox, now: float) -> PooledSandbox:
+        pooled.state, pooled.since = State.STOPPING, now
+        return pooled
 
     async def _destroy(self, pooled: PooledSandbox) -> None:
         assert pooled.sandbox is not None
         self.stats["destroyed"] += 1
-        await self._backend.destroy(pooled.sandbox)
+        try:
+            await self._backend.destroy(pooled.sandbox)
+        finally:
+            # Gone (or handed to the backend's retry list): its room is free.
+            if pooled in self._sandboxes:
+                self._sandboxes.remove(pooled)
+                if not self._closing:
+                    self._apply(self._plan())

@@ -173,7 +173,7 @@ class Server:
         totals = self.pool.status()["totals"]
         state = "stopping" if self.stopping else f"serving on {self.config.socket}"
         return (f"{state}: {len(self.calls_in_flight)} calls in flight, {totals['waiting']} queued; sandboxes "
-                f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting")
+                f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, {totals['stopping']} stopping")
 
     # -- reload ------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class _ServerCollector:
         server = self._server
         status = server.pool.status()
         sandboxes = GaugeMetricFamily("sandboxd_sandboxes", "Sandboxes held, by state.", labels=["state"])
-        for state in ("starting", "idle", "busy"):
+        for state in ("starting", "idle", "busy", "stopping"):
             sandboxes.add_metric([state], status["totals"][state])
         yield sandboxes
         yield GaugeMetricFamily("sandboxd_calls_queued", "Calls waiting for a sandbox.", value=status["totals"]["waiting"])

@@ -105,7 +105,7 @@ def pool_matches_docker(daemon: Daemon, docker_api: Any) -> dict[str, Any] | Non
     with daemon.client(timeout=30) as client:
         status = client.request("sandbox/status")
     totals = status["pool"]["totals"]
-    if totals["starting"] or totals["busy"] or totals["waiting"] or status["callsInFlight"]:
+    if totals["starting"] or totals["busy"] or totals["stopping"] or totals["waiting"] or status["callsInFlight"]:
         return None
     containers = daemon.containers(docker_api)
     running = [c for c in containers if c["State"] == "running"]

@@ -47,14 +47,14 @@ def test_first_call_starts_a_sandbox_and_keeps_one_warm() -> None:
     async def main() -> None:
         backend = FakeBackend()
         pool = make_pool(backend)
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
         pooled = await pool.acquire("a@x.io")
         assert pooled.state is State.BUSY and pooled.user == "a@x.io"
         await settle()
         # min_idle=1: a second sandbox warms up while the first one is busy.
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
         pool.release(pooled, reusable=True)
-        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, stopping: 0, waiting: 0]>"
         assert backend.starts == 2
 
     run(main())
@@ -68,12 +68,12 @@ def test_the_warm_spare_starts_only_once_the_waiting_caller_is_served() -> None:
         caller = asyncio.ensure_future(pool.acquire("a@x.io"))
         await settle()
         # Two starts at once would share the CPU with the one the caller waits for.
-        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>" and backend.starts == 1
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, stopping: 0, waiting: 1]>" and backend.starts == 1
         pooled = await caller
         await settle()
-        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 1, waiting: 0]>" and backend.starts == 2
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 1, stopping: 0, waiting: 0]>" and backend.starts == 2
         await asyncio.sleep(0.05)
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
         pool.release(pooled, reusable=True)
 
     run(main())
@@ -87,7 +87,7 @@ def test_idle_sandbox_is_reused_without_a_start() -> None:
         pool.release(first, reusable=True)
         second = await pool.acquire("a@x.io")
         assert second is first and backend.starts == 1
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
 
     run(main())
 
@@ -99,7 +99,7 @@ def test_sandboxes_belong_to_one_user() -> None:
         pool.release(a, reusable=True)
         b = await pool.acquire("b@x.io")
         assert b is not a and b.user == "b@x.io"
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
 
     run(main())
 
@@ -108,12 +108,12 @@ def test_per_user_limit_queues_then_times_out_with_overloaded() -> None:
     async def main() -> None:
         pool = make_pool(min_idle=0, acquire_timeout_ms=50)
         held = [await pool.acquire("a@x.io"), await pool.acquire("a@x.io")]
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
         with pytest.raises(Overloaded) as info:
             await pool.acquire("a@x.io")
         assert "2 per user" in info.value.message
         # The timed-out waiter left nothing behind.
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
         assert len(held) == 2
 
     run(main())
@@ -126,10 +126,10 @@ def test_queued_caller_gets_the_released_sandbox() -> None:
         first = await pool.acquire("a@x.io")
         waiter = asyncio.ensure_future(pool.acquire("a@x.io"))
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 1]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 1]>"
         pool.release(first, reusable=True)
         assert (await waiter) is first
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
         assert backend.starts == 1
 
     run(main())
@@ -146,7 +146,7 @@ def test_cancelled_waiter_never_leaks_a_slot() -> None:
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
         again = await pool.acquire("a@x.io")
         assert again is first
 
@@ -159,12 +159,52 @@ def test_global_limit_evicts_another_users_idle_sandbox() -> None:
         pool = make_pool(backend, min_idle=0, max_total=2)
         for user in ("a@x.io", "b@x.io"):
             pool.release(await pool.acquire(user), reusable=True)
-        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, stopping: 0, waiting: 0]>"
         c = await pool.acquire("c@x.io")
         await settle()
         assert c.user == "c@x.io"
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
         assert len(backend.destroyed) == 1  # a@x.io's, the longest idle
+
+    run(main())
+
+
+def test_a_sandbox_being_destroyed_still_counts_against_the_limits() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        backend.destroy_delay = 0.05  # the engine takes its time to remove a container
+        pool = make_pool(backend, min_idle=0, max_per_user=1)
+        first = await pool.acquire("a@x.io")
+        pool.release(first, reusable=False)  # e.g. it timed out
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 1, waiting: 0]>"
+        queued = asyncio.ensure_future(pool.acquire("a@x.io"))
+        await settle()
+        # No second container for the user while the first still exists.
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 1, waiting: 1]>" and backend.starts == 1
+        second = await queued
+        assert first.sandbox is not None and first.sandbox.id in backend.destroyed and second is not first
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
+
+    run(main())
+
+
+def test_a_full_pool_evicts_one_idle_sandbox_at_a_time() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        backend.destroy_delay = 0.05
+        pool = make_pool(backend, min_idle=0, max_total=2)
+        for user in ("a@x.io", "b@x.io"):
+            pool.release(await pool.acquire(user), reusable=True)
+        c = asyncio.ensure_future(pool.acquire("c@x.io"))
+        d = asyncio.ensure_future(pool.acquire("d@x.io"))
+        await settle()
+        # One eviction for the first waiter; the second waits for the room to appear.
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 1, waiting: 2]>"
+        assert (await c).user == "c@x.io"
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 1, waiting: 1]>"
+        assert (await d).user == "d@x.io"
+        assert len(backend.destroyed) == 2 and backend.starts == 4
 
     run(main())
 
@@ -175,12 +215,12 @@ def test_unusable_sandbox_is_destroyed_and_replaced_in_the_background() -> None:
         pool = make_pool(backend, min_idle=1)
         pooled = await pool.acquire("a@x.io")
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
         pool.release(pooled, reusable=False)  # e.g. it timed out
         await settle()
         assert pooled.sandbox is not None and pooled.sandbox.id in backend.destroyed
         # The warm one serves the next call at once; no caller waits for the replacement.
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
 
     run(main())
 
@@ -195,7 +235,7 @@ def test_recycled_after_max_calls() -> None:
         pool.release(first, reusable=True)
         await settle()
         assert first.sandbox is not None and first.sandbox.id in backend.destroyed
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
 
     run(main())
 
@@ -227,15 +267,15 @@ def test_idle_ttl_cools_a_quiet_user_down() -> None:
         pool = make_pool(backend, clock, min_idle=1, idle_ttl_s=60)
         pool.release(await pool.acquire("a@x.io"), reusable=True)
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, stopping: 0, waiting: 0]>"
         clock.now += 30
         pool.maintain()
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 2, busy: 0, stopping: 0, waiting: 0]>"
         clock.now += 31
         pool.maintain()
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
         assert backend.sandboxes == {}
 
     run(main())
@@ -248,7 +288,7 @@ def test_start_failure_reaches_the_caller_at_once() -> None:
         pool = make_pool(backend, acquire_timeout_ms=5000)
         with pytest.raises(BackendUnavailable):
             await pool.acquire("a@x.io")
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
         # The engine comes back: the next call recovers by itself.
         backend.start_error = None
         pooled = await pool.acquire("a@x.io")
@@ -265,7 +305,7 @@ def test_close_refuses_new_calls_and_destroys_everything() -> None:
         await settle()
         await pool.close(grace=0)
         assert backend.sandboxes == {}
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
         with pytest.raises(ShuttingDown):
             await pool.acquire("a@x.io")
         pool.release(busy, reusable=True)  # a late release after close is harmless
@@ -282,7 +322,7 @@ def test_close_cancels_starts_in_flight() -> None:
         await settle()
         # One for the caller; the warm spare (min_idle=1) waits until the caller is served,
         # so that two starts do not share the CPU while someone waits.
-        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>"
+        assert repr(pool) == "<Pool [starting: 1, idle: 0, busy: 0, stopping: 0, waiting: 1]>"
         await pool.close(grace=0)
         with pytest.raises(ShuttingDown):
             await waiter

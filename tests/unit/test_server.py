@@ -133,7 +133,7 @@ def test_timeout_answers_at_the_deadline_and_discards_the_sandbox(tmp_path: Path
         assert reply["result"]["status"] == "timeout"
         await asyncio.sleep(0.01)
         assert len(h.backend.destroyed) == 1
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
 
 
 def test_cancel_settled_keeps_the_sandbox_ignored_kills_it(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ def test_cancel_settled_keeps_the_sandbox_ignored_kills_it(tmp_path: Path) -> No
         assert replies[2]["status"] == "cancelled" and "killed" in replies[2]["content"][0]["text"]
         await asyncio.sleep(0.01)
         assert len(h.backend.destroyed) == 1
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
 
 
 def test_cancel_while_queued_answers_at_once(tmp_path: Path) -> None:
@@ -169,12 +169,12 @@ def test_cancel_while_queued_answers_at_once(tmp_path: Path) -> None:
         conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                    "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
         await asyncio.sleep(0.02)
-        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 1]>"
+        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, stopping: 0, waiting: 1]>"
         conn.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}})
         reply = await conn.read()
         assert reply["result"]["status"] == "cancelled"
         assert "before it started" in reply["result"]["content"][0]["text"]
-        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 1, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
 
 
 def test_disconnect_cancels_calls_in_flight(tmp_path: Path) -> None:
@@ -188,12 +188,12 @@ def test_disconnect_cancels_calls_in_flight(tmp_path: Path) -> None:
         conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                    "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
         await asyncio.sleep(0.02)
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 1, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
         conn.writer.close()
         await asyncio.sleep(0.05)
         sandbox = next(iter(h.backend.sandboxes.values()))
         assert sandbox.cancel_reasons == ["client disconnected"]
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
 
 
 def test_crash_is_reported_and_replaced(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ def test_crash_is_reported_and_replaced(tmp_path: Path) -> None:
         reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
         assert reply["result"]["status"] == "crashed" and "memory" in reply["result"]["content"][0]["text"]
         await asyncio.sleep(0.02)
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, waiting: 0]>"
+        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
 
 
 def test_framing_and_error_codes(tmp_path: Path) -> None:
