@@ -17,7 +17,6 @@ delete process.env.SANDBOXD_SHIM_SOCKET;
 const connecting = socketPath
   ? io.connectSocket(socketPath, [fdSetup.inFd, fdSetup.outFd].filter((fd) => fd > 2))
   : null;
-if (connecting) fdSetup.mode = `socket ${socketPath}`;
 
 if (!fdSetup.isolated || fdSetup.fd1 === 'devnull') require('./children').install();
 if (!fdSetup.isolated) {
