@@ -121,6 +121,7 @@ def format_status(status: dict[str, Any]) -> str:
     totals, counters = pool["totals"], pool.get("counters", {})
     lines = [
         f"sandboxd {status['version']} — backend {status['backend']}"
+        + (f" over {status['transport']}" if status.get("transport") else "")
         + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
         + (" — STOPPING" if status.get("stopping") else "")
         + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight",

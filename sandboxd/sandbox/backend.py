@@ -94,6 +94,11 @@ class Sandbox(Protocol):
 class Backend(Protocol):
     name: str
 
+    @property
+    def transport(self) -> str:
+        """How calls reach a sandbox's shim, as `sandbox/status` reports it."""
+        ...
+
     async def start(self, spec: SandboxSpec) -> Sandbox:
         """Start a sandbox and wait until its shim is ready. Raises BackendUnavailable."""
         ...

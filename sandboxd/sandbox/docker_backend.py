@@ -281,6 +281,10 @@ class DockerBackend:
 
     # -- the Backend interface ------------------------------------------------
 
+    @property
+    def transport(self) -> str:
+        return self.config.transport  # for sandboxes started from now on (it may change on reload)
+
     async def start(self, spec: SandboxSpec) -> DockerSandbox:
         listener = None
         if self.config.transport == "socket":

@@ -87,6 +87,7 @@ class FakeSandbox:
 
 class FakeBackend:
     name = "fake"
+    transport = "memory"
 
     def __init__(self, handler: Handler = echo_handler) -> None:
         self.handler = handler

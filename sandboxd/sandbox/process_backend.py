@@ -67,6 +67,7 @@ class ProcessSandbox(ShimSandbox):
 
 class ProcessBackend:
     name = "process"
+    transport = "stdio"
 
     def __init__(self, *, max_line_bytes: int, node: str | None = None, shim: Path = SHIM_MAIN) -> None:
         self.max_line_bytes = max_line_bytes

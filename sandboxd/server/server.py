@@ -151,6 +151,7 @@ class Server:
             "version": __version__,
             "protocol": 1,
             "backend": self.backend.name,
+            "transport": self.backend.transport,
             "unsandboxed": self.backend.name == "process",
             "uptimeS": round(time.monotonic() - self.started_at, 1),
             "stopping": self.stopping,

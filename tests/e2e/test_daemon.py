@@ -62,7 +62,7 @@ def test_ping_list_and_status(daemon: Daemon) -> None:
         }
         assert hello["documentation"].startswith("# Hello Tool")
         status = client.request("sandbox/status")
-        assert status["backend"] == "docker" and status["version"]
+        assert status["backend"] == "docker" and status["transport"] == "socket" and status["version"]
         assert status["pool"]["totals"] == {"starting": 0, "idle": 0, "busy": 0, "stopping": 0, "waiting": 0}
 
 
@@ -372,6 +372,7 @@ def test_each_transport_serves_results_progress_crashes_and_timeouts(make_daemon
         assert hog["status"] == "crashed" and "96m" in hog["content"][0]["text"]
         assert call(client, "sleeper", {"ms": 60000}, timeoutMs=500)["status"] == "timeout"
         assert call(client, "hello", {"name": "again"})["status"] == "ok"
+        assert client.request("sandbox/status")["transport"] == transport
 
 
 def test_the_shim_socket_is_gone_once_the_shim_connected(make_daemon: Any, docker_api: Any) -> None:

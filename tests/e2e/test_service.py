@@ -90,7 +90,7 @@ def test_metrics_status_and_call_log_after_real_calls(make_daemon: Any) -> None:
 
     readable = sandboxd_cli(daemon, "status")
     assert readable.returncode == 0, readable.stderr
-    assert "backend docker" in readable.stdout and f"  {A}: " in readable.stdout
+    assert "backend docker over socket" in readable.stdout and f"  {A}: " in readable.stdout
     assert "calls: crashed 1, error 1, ok 2" in readable.stdout
     assert "1 crashed" in readable.stdout and "limits: 4 sandboxes per user" in readable.stdout
     raw = sandboxd_cli(daemon, "status", "--json")
