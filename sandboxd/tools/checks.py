@@ -277,7 +277,8 @@ class Source:
                 if self.is_punct(index + 1, "{") and index + 1 in self.partner:
                     self.functions.append(Function(index, index + 1, self.partner[index + 1]))
                 elif index + 1 < len(self.tokens):
-                    self.functions.append(Function(index, index + 1, self._expression_end(index + 1)))
+                    # An expression body ends just before the delimiter that ends its statement.
+                    self.functions.append(Function(index, index + 1, max(index + 1, self.statement_end(index + 1) - 1)))
             elif (token.kind == "name" and token.text not in _NOT_METHOD_WORDS and self.is_punct(index + 1, "(")
                   and index + 1 in self.partner and not self.member_access(index)):
                 body = self._body_after_params(self.partner[index + 1] + 1)
@@ -330,17 +331,18 @@ class Source:
             i += 1
         return None
 
-    def _expression_end(self, index: int) -> int:
-        """Last token of an arrow function's expression body starting at ``index``."""
+    def statement_end(self, index: int) -> int:
+        """The first `,` `;` or closing bracket from ``index`` on, skipping bracketed groups;
+        ``len(tokens)`` when there is none."""
         i = index
         while i < len(self.tokens):
             if self.is_punct(i, "(", "[", "{") and i in self.partner:
                 i = self.partner[i] + 1
                 continue
             if self.is_punct(i, ",", ";", ")", "]", "}"):
-                return max(index, i - 1)
+                return i
             i += 1
-        return len(self.tokens) - 1
+        return len(self.tokens)
 
     # scopes
     def enclosing_function(self, index: int) -> Function | None:
@@ -647,21 +649,9 @@ def _execute_function(src: Source, exports: _Exports) -> Function | None:
                 return None
             start = definition
     # The first function that begins at the definition, before its statement ends.
-    stop = _statement_end(src, start)
+    stop = src.statement_end(start)
     candidates = [f for f in src.functions if start <= f.key <= stop]
     return min(candidates, key=lambda f: f.key) if candidates else None
-
-
-def _statement_end(src: Source, index: int) -> int:
-    i = index
-    while i < len(src.tokens):
-        if src.is_punct(i, "(", "[", "{") and i in src.partner:
-            i = src.partner[i] + 1
-            continue
-        if src.is_punct(i, ";", ",", ")", "]", "}"):
-            return i
-        i += 1
-    return len(src.tokens) - 1
 
 
 def _cli_entry_points(src: Source) -> list[tuple[int, str]]:
