@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -292,22 +292,13 @@ def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
     for index in range(20):
         write_tool(global_root(data), f"tool_{index:02d}")
     catalog = ToolCatalog(data)
-    results: list[list[str]] = []
-    errors: list[BaseException] = []
 
-    def work() -> None:
-        try:
-            for _ in range(10):
-                results.append(names(catalog.list()))
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
-            errors.append(exc)
+    def list_ten_times() -> list[list[str]]:
+        return [names(catalog.list()) for _ in range(10)]
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(list_ten_times) for _ in range(8)]
+    results = [listing for future in futures for listing in future.result()]  # result() re-raises a thread's error
     assert all(result == [f"tool_{i:02d}" for i in range(20)] for result in results) and len(results) == 80
 
 

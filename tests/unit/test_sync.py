@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -235,19 +235,8 @@ def test_leftovers_are_never_listed_as_tools(tools: Path) -> None:
 def test_concurrent_syncs_do_not_trip_over_each_other(seed: Path, tools: Path) -> None:
     for index in range(10):
         write_tool(seed, f"tool_{index}", 1, files={"bin/data.txt": "x" * 10_000})
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            sync_tools(seed, tools)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    with ThreadPoolExecutor(4) as pool:
+        for future in [pool.submit(sync_tools, seed, tools) for _ in range(4)]:
+            future.result()  # re-raises what a sync raised
     assert hidden(tools) == []
     assert all(snapshot(tools / f"tool_{i}") == snapshot(seed / f"tool_{i}") for i in range(10))
