@@ -3,7 +3,9 @@
 Python's json module reads all three and writes them back out, which no other
 JSON parser accepts (a client would choke on ``"id":NaN``), and a NaN deadline
 breaks every comparison made with it. Whatever a client or a sandbox sends is
-read through ``loads``; a ValueError means "not JSON".
+read through ``loads``; a ValueError means "not JSON". ``loads(..., unique_keys=True)``
+also refuses an object with the same key twice (DuplicateKey, still a ValueError):
+parsers disagree on which value wins, so a proxy in front could be fooled.
 """
 
 from __future__ import annotations
@@ -24,9 +26,23 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def loads(data: str | bytes) -> Any:
+class DuplicateKey(ValueError):
+    """An object holds the same key twice."""
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise DuplicateKey(f"the key {json.dumps(duplicate[:60], ensure_ascii=False)} appears twice in one object")
+    return obj
+
+
+def loads(data: str | bytes, *, unique_keys: bool = False) -> Any:
     if isinstance(data, bytes):
         # json.loads would decode bytes with "surrogatepass", letting UTF-8-encoded
         # surrogates (not UTF-8) through; this raises UnicodeDecodeError instead.
         data = data.decode("utf-8")
-    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float,
+                      object_pairs_hook=_unique_object if unique_keys else None)

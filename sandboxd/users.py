@@ -7,20 +7,27 @@ from pathlib import Path
 
 from sandboxd.errors import InvalidParams
 
-_USER_RE = re.compile(r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+$")
+# Used with fullmatch: "$" would let "alice@example.com\n" through as another user.
+_USER_RE = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 MAX_USER_LENGTH = 254
 
 
 def check_user(user: object) -> str:
-    """Return ``user`` if it is a well-formed user name, else raise InvalidParams."""
-    if not isinstance(user, str) or not user:
+    """The user's canonical (lower-case) name if ``user`` is well-formed, else raise InvalidParams.
+
+    Lower-cased so that "Alice@Example.com" and "alice@example.com" are one user with one
+    directory and one pool, even on a case-insensitive filesystem (docs/protocol.md#users).
+    """
+    if user is None or user == "":
         raise InvalidParams("'user' is required: pass the user's email address, e.g. \"alice@example.com\".")
+    if not isinstance(user, str):
+        raise InvalidParams("'user' must be a string: the user's email address, e.g. \"alice@example.com\".")
     if len(user) > MAX_USER_LENGTH:
         raise InvalidParams(f"'user' is {len(user)} characters long; an email address has at most {MAX_USER_LENGTH}.")
     # ".." is refused before the pattern so that no user name can climb out of DATA_PATH.
-    if ".." in user or not _USER_RE.match(user):
+    if ".." in user or not _USER_RE.fullmatch(user):
         raise InvalidParams(f"'user' {user!r} is not an email address like \"alice@example.com\".")
-    return user
+    return user.lower()
 
 
 def user_dir(data_path: Path, user: str) -> Path:

@@ -10,26 +10,42 @@ a walk with realpath checks (docs/performance.md).
 
 Sandboxes mount only the tools roots, and the daemon reads TOOL.md on the host:
 a tool directory, TOOL.md or entry file that resolves outside its root is
-refused rather than followed.
+refused rather than followed, and a user's tools root that is a symbolic link
+is refused as a whole (a sandbox can write DATA_PATH/<user>/).
+
+A user's tools root is hostile input. The daemon never scans on its event loop:
+list_async/refresh run scans in a small worker pool (one scan per root at a time,
+per-root locks, so one user's root never holds up another's), and lookup() answers
+a tools/call from the last scan with a few stat calls when it still holds. A scan
+is bounded: MAX_ENTRIES_PER_ROOT entries, MAX_ROOT_MANIFEST_BYTES of TOOL.md,
+ROOT_SCAN_TIME_LIMIT_S; a tools/list answer holds at most MAX_LIST_BYTES. What is
+over a bound is skipped with a Problem, never silently.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
 import os
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, Problem, parse_manifest
 from sandboxd.tools.schema import input_schema
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 
 ENTRY_FILES = ("index.ts", "index.js")  # in order of preference
+MAX_ENTRIES_PER_ROOT = 256  # entries of one tools root read (by name); the rest is skipped with a problem
+MAX_ROOT_MANIFEST_BYTES = 4 << 20  # TOOL.md bytes of one root; the tools past it are skipped
+ROOT_SCAN_TIME_LIMIT_S = 10.0  # a scan parses nothing more after this; the rest is retried at the next one
+MAX_LIST_BYTES = 8 << 20  # of a tools/list answer (JSON); tools past it are skipped, by name
 Source = Literal["global", "user"]
 ParseFn = Callable[[Path, Path], tuple[Manifest | None, list[Problem]]]
 
@@ -49,6 +65,11 @@ class Tool:
     def schema(self) -> dict[str, Any]:
         """The inputSchema; shared, so treat it as read-only (to_protocol hands out copies)."""
         return input_schema(self.manifest)
+
+    @cached_property
+    def protocol_bytes(self) -> int:
+        """The size of this tool's Tool object in a tools/list answer."""
+        return len(json.dumps(self.to_protocol(), ensure_ascii=False).encode())
 
     def to_protocol(self) -> dict[str, Any]:
         """The Tool object of PROTOCOL.md's tools/list, keys in the spec's order."""
@@ -81,7 +102,7 @@ def _parse(manifest_path: Path, root: Path) -> tuple[Manifest | None, list[Probl
 def inspect_tool_dir(tool_dir: Path, root: Path, source: Source,
                      parse: ParseFn = _parse) -> tuple[Tool | None, list[Problem]]:
     """The tool in ``tool_dir`` (None if unusable) and every problem found, warnings included."""
-    real_root = root.resolve()
+    real_root = _real_root(root, source)
     problems: list[Problem] = []
     if not tool_dir.resolve().is_relative_to(real_root):
         return None, [_outside(tool_dir, real_root)]
@@ -95,7 +116,7 @@ def inspect_tool_dir(tool_dir: Path, root: Path, source: Source,
         problems.append(_outside(entry, real_root))
     manifest = None
     if os.path.lexists(manifest_path):  # a broken link or a FIFO is for the parser to explain
-        manifest, manifest_problems = parse(manifest_path, root)
+        manifest, manifest_problems = parse(manifest_path, real_root)
         problems.extend(manifest_problems)
     else:
         problems.append(Problem(tool_dir, f"no {MANIFEST_FILE}",
@@ -104,6 +125,12 @@ def inspect_tool_dir(tool_dir: Path, root: Path, source: Source,
     if manifest is None or entry is None or any(p.is_error for p in problems):
         return None, problems
     return Tool(manifest, tool_dir, entry, source), problems
+
+
+def _real_root(root: Path, source: Source) -> Path:
+    """What files must resolve within. A user's root is never followed if it is a link (the
+    scan refuses one, and this also holds if a sandbox swaps one in during the scan)."""
+    return root.resolve() if source == "global" else root.parent.resolve() / root.name
 
 
 def _outside(path: Path, real_root: Path) -> Problem:
@@ -122,6 +149,29 @@ def shadow_problem(loser: Tool, winner: Tool) -> Problem:
 def tool_dirs(root: Path) -> list[Path]:
     """Candidate tool directories of a root: its subdirectories, by name, hidden ones left out."""
     return sorted(path for path in root.iterdir() if not path.name.startswith(".") and path.is_dir())
+
+
+class ScanNeeded(Exception):
+    """lookup() cannot answer from the last scan: refresh() first (off the event loop)."""
+
+
+def _user_root_problem(root: Path) -> Problem | None:
+    """Why a user's tools root is refused (a link or not a directory), or None: no tools are read from it."""
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Problem(root, f"cannot read the user's tools directory: {exc.strerror}",
+                       "make it a directory the daemon can read")
+    if stat.S_ISLNK(info.st_mode):
+        return Problem(root, "the user's tools directory is a symbolic link, so none of its tools are listed "
+                             "(a sandbox can write the user's directory and could point it anywhere)",
+                       f"replace the link with a real directory: rm {root} && mkdir {root}")
+    if not stat.S_ISDIR(info.st_mode):
+        return Problem(root, "the user's tools directory is not a directory, so no user tools are listed",
+                       f"remove it and create a directory: rm {root} && mkdir {root}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -197,6 +247,7 @@ class _Snapshot:
     skipped: list[Skipped]
     by_name: dict[str, Tool]
     verified_at: float  # time.monotonic() of the last full check that held
+    scanned_at: float  # time.monotonic() just before the scan listed the root
 
     def unchanged(self, root: Path) -> bool:
         return _Fingerprint.take(str(root), list(self.fingerprint.entries)) == self.fingerprint
@@ -209,24 +260,37 @@ class _Snapshot:
         return tool is None or _entry_keys(str(root), tool.dir.name) == self.fingerprint.entries.get(tool.dir.name)
 
 
+_SCAN_WORKERS = 4  # one scan per root at a time, so one hostile root takes at most one of these
+_MAX_CACHED_USERS = 10_000
+
+
 class ToolCatalog:
-    """The tools a user can call. Synchronous; a lock keeps the caches consistent across threads."""
+    """The tools a user can call.
+
+    list/get/scan scan on the calling thread (the CLI, tests). The daemon uses
+    list_async/refresh, which scan in worker threads, and lookup, which never scans.
+    """
 
     def __init__(self, data_path: Path) -> None:
         self.data_path = Path(data_path)
-        self._lock = threading.Lock()
+        self._locks_lock = threading.Lock()
+        self._root_locks: dict[Path, threading.Lock] = {}
         # Per root, so a root's entries can be dropped when its directories go.
         self._parsed: dict[Path, dict[Path, _Parsed]] = {}
         self._tools: dict[Path, dict[Path, Tool]] = {}  # kept so a Tool's cached schema survives listings
         self._snapshots: dict[Path, _Snapshot] = {}
         self._roots_by_user: dict[str | None, list[tuple[Path, Source]]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: dict[Path, asyncio.Future[_Snapshot]] = {}  # used on the event loop only
+
+    # -- synchronous: scans on the calling thread ---------------------------------------------
 
     def list(self, user: str | None = None) -> list[Tool]:
         """The user's tools (global ones when user is None), sorted by name; user tools override global ones."""
         return self.scan(user)[0]
 
     def get(self, name: str, user: str | None = None) -> Tool | None:
-        """One tool as list() would have it; every tools/call looks its tool up here."""
+        """One tool as list() would have it."""
         for root, source in reversed(self._roots(user)):  # the user's tools override global ones
             tool = self._snapshot(root, source, wanted=name).by_name.get(name)
             if tool is not None:
@@ -235,72 +299,183 @@ class ToolCatalog:
 
     def scan(self, user: str | None = None) -> tuple[list[Tool], list[Skipped]]:
         """The tools as in list(), and the directories that are not usable tools, with why."""
-        by_name: dict[str, Tool] = {}
-        skipped: list[Skipped] = []
+        return _merge([self._snapshot(root, source) for root, source in self._roots(user)])
+
+    # -- for the event loop ---------------------------------------------------------------------
+
+    def lookup(self, name: str, user: str | None, *, since: float) -> Tool | None:
+        """get() from the last scans, with stat checks only; ScanNeeded when one must be scanned again.
+
+        A scan that started at or after ``since`` (when the request arrived) is trusted as it is.
+        """
+        for root, _ in reversed(self._roots(user)):
+            snapshot = self._trusted(root, name, since)
+            if snapshot is None:
+                raise ScanNeeded(root)
+            tool = snapshot.by_name.get(name)
+            if tool is not None:
+                return tool
+        return None
+
+    def known_names(self, user: str | None) -> list[str]:
+        """The tool names of the last scans, for an "unknown tool" message (no checks, no scan)."""
+        names: set[str] = set()
+        for root, _ in self._roots(user):
+            snapshot = self._snapshots.get(root)
+            if snapshot is not None:
+                names.update(snapshot.by_name)
+        return sorted(names)
+
+    async def refresh(self, user: str | None, *, since: float) -> None:
+        """Scan, in a worker, each of the user's roots that lookup(since=since) would not trust."""
         for root, source in self._roots(user):
-            snapshot = self._snapshot(root, source)
-            by_name.update(snapshot.by_name)
-            skipped.extend(snapshot.skipped)
-        return sorted(by_name.values(), key=lambda tool: tool.name), skipped
+            await self._snapshot_async(root, source, since)
+
+    async def scan_async(self, user: str | None = None) -> tuple[list[Tool], list[Skipped]]:
+        """scan(), with every scan in a worker thread."""
+        since = time.monotonic()
+        return _merge([await self._snapshot_async(root, source, since) for root, source in self._roots(user)])
+
+    async def list_async(self, user: str | None = None) -> list[Tool]:
+        return (await self.scan_async(user))[0]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _snapshot_async(self, root: Path, source: Source, since: float) -> _Snapshot:
+        while True:
+            snapshot = self._trusted(root, None, since)
+            if snapshot is not None:
+                return snapshot
+            # Joined by every request for this root meanwhile: a hostile root occupies one worker.
+            future = self._inflight.get(root)
+            if future is None:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(_SCAN_WORKERS, thread_name_prefix="sandboxd-scan")
+                future = asyncio.wrap_future(self._executor.submit(self._scan, root, source))
+                self._inflight[root] = future
+                future.add_done_callback(partial(self._scan_done, root))
+            snapshot = await asyncio.shield(future)
+            if snapshot.scanned_at >= since:
+                return snapshot
+            # That scan began before this request arrived: loop to check (or scan) again.
+
+    def _scan_done(self, root: Path, future: asyncio.Future[_Snapshot]) -> None:
+        if self._inflight.get(root) is future:
+            del self._inflight[root]
+
+    # -- snapshots ------------------------------------------------------------------------------
 
     def _roots(self, user: str | None) -> list[tuple[Path, Source]]:
-        roots = self._roots_by_user.get(user)
+        roots = self._roots_by_user.get(user) if isinstance(user, (str, type(None))) else None
         if roots is None:
             roots = [(global_tools_dir(self.data_path), "global")]
             if user is not None:
                 roots.append((user_tools_dir(self.data_path, check_user(user)), "user"))
+            if len(self._roots_by_user) >= _MAX_CACHED_USERS:
+                self._roots_by_user.clear()  # a client naming endless users must not grow this forever
             self._roots_by_user[user] = roots
         return roots
 
+    def _trusted(self, root: Path, wanted: str | None, since: float | None) -> _Snapshot | None:
+        """The root's last scan if the cheap stat checks say it still holds, else None."""
+        snapshot = self._snapshots.get(root)
+        if snapshot is None:
+            return None
+        if since is not None and snapshot.scanned_at >= since:
+            return snapshot
+        if snapshot.racy:
+            return None
+        now = time.monotonic()
+        if wanted is not None and now - snapshot.verified_at < _FULL_CHECK_INTERVAL_S:
+            return snapshot if snapshot.holds_for(root, wanted) else None
+        if snapshot.unchanged(root):
+            snapshot.verified_at = now
+            return snapshot
+        return None
+
     def _snapshot(self, root: Path, source: Source, *, wanted: str | None = None) -> _Snapshot:
         """The root's tools: the last scan while its fingerprint holds, else a new scan."""
-        with self._lock:
+        return self._trusted(root, wanted, None) or self._scan(root, source)
+
+    def _root_lock(self, root: Path) -> threading.Lock:
+        with self._locks_lock:
+            return self._root_locks.setdefault(root, threading.Lock())
+
+    def _scan(self, root: Path, source: Source) -> _Snapshot:
+        asked_at = time.monotonic()
+        with self._root_lock(root):
             snapshot = self._snapshots.get(root)
-            if snapshot is not None and not snapshot.racy:
-                now = time.monotonic()
-                if wanted is not None and now - snapshot.verified_at < _FULL_CHECK_INTERVAL_S:
-                    if snapshot.holds_for(root, wanted):
-                        return snapshot
-                elif snapshot.unchanged(root):
-                    snapshot.verified_at = now
-                    return snapshot
+            if snapshot is not None and snapshot.scanned_at >= asked_at:
+                return snapshot  # another thread scanned it while this one waited for the lock
             # The fingerprint is taken before the scan: a change made during it shows at the next listing.
-            scanned_at = time.time_ns()
-            try:
-                names = sorted(name for name in os.listdir(root) if not name.startswith("."))
-            except OSError:
-                names = []
+            scanned_at, scanned_at_ns = time.monotonic(), time.time_ns()
+            names, problems = self._root_entries(root, source)
             fingerprint = _Fingerprint.take(str(root), names)
-            tools, skipped = self._scan_root_fully(root, source)
-            snapshot = _Snapshot(fingerprint, fingerprint.racy(scanned_at), tools, skipped,
-                                 {tool.name: tool for tool in tools}, time.monotonic())
+            tools, skipped, complete = self._scan_root_fully(root, source, names)
+            if problems:
+                skipped.insert(0, Skipped(root, source, problems))
+            snapshot = _Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
+                                 {tool.name: tool for tool in tools}, time.monotonic(), scanned_at)
             self._snapshots[root] = snapshot
             return snapshot
 
-    def _scan_root_fully(self, root: Path, source: Source) -> tuple[list[Tool], list[Skipped]]:
+    def _root_entries(self, root: Path, source: Source) -> tuple[list[str], list[Problem]]:
+        """The names a scan reads (at most MAX_ENTRIES_PER_ROOT), and problems with the root itself."""
+        if source == "user":
+            refused = _user_root_problem(root)
+            if refused is not None:
+                return [], [refused]
         try:
-            candidates = tool_dirs(root)
+            names = sorted(name for name in os.listdir(root) if not name.startswith("."))
         except FileNotFoundError:
-            self._parsed.pop(root, None)
-            self._tools.pop(root, None)
             return [], []
         except OSError as exc:
-            problem = Problem(root, f"cannot list the tools directory: {exc.strerror}",
-                              "make it a directory the daemon can read")
-            return [], [Skipped(root, source, [problem])]
+            return [], [Problem(root, f"cannot list the tools directory: {exc.strerror}",
+                                "make it a directory the daemon can read")]
+        if len(names) <= MAX_ENTRIES_PER_ROOT:
+            return names, []
+        left_out = names[MAX_ENTRIES_PER_ROOT:]
+        return names[:MAX_ENTRIES_PER_ROOT], [Problem(
+            root, f"holds {len(names)} entries; only the first {MAX_ENTRIES_PER_ROOT} by name are read, so "
+                  f"{', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''} are skipped",
+            f"remove tools and other files until at most {MAX_ENTRIES_PER_ROOT} remain")]
 
+    def _scan_root_fully(self, root: Path, source: Source,
+                         names: list[str]) -> tuple[list[Tool], list[Skipped], bool]:
+        """The root's tools and skipped directories, and whether every manifest could be read."""
+        if not names:
+            self._parsed.pop(root, None)
+            self._tools.pop(root, None)
+            return [], [], True
+        candidates = [root / name for name in names if (root / name).is_dir()]
         previous_parsed, previous_tools = self._parsed.get(root, {}), self._tools.get(root, {})
         parsed: dict[Path, _Parsed] = {}
         tools: dict[Path, Tool] = {}
+        deadline = time.monotonic() + ROOT_SCAN_TIME_LIMIT_S
+        budget = {"bytes": MAX_ROOT_MANIFEST_BYTES, "complete": True}
 
         def parse_cached(manifest_path: Path, within: Path) -> tuple[Manifest | None, list[Problem]]:
             try:
                 info = manifest_path.stat()
             except OSError:
                 return _parse(manifest_path, within)  # gone or unreadable: let the parser say so
+            if stat.S_ISREG(info.st_mode):
+                budget["bytes"] -= info.st_size
+                if budget["bytes"] < 0:
+                    return None, [Problem(manifest_path, f"the TOOL.md files of {root} add up to more than "
+                                                         f"{MAX_ROOT_MANIFEST_BYTES} bytes; this one and the "
+                                                         "ones after it (by name) are not read",
+                                          "shorten the TOOL.md files or remove tools")]
             key = (info.st_mtime_ns, info.st_size, info.st_ino)
             cached = previous_parsed.get(manifest_path)
             if cached is None or cached.key != key:
+                if time.monotonic() > deadline:
+                    budget["complete"] = False  # not cached: the next scan tries again
+                    return None, [Problem(manifest_path, f"not read: reading {root} took longer than "
+                                                         f"{ROOT_SCAN_TIME_LIMIT_S:g} s",
+                                          "simplify the TOOL.md files of this directory, or list again")]
                 cached = _Parsed(key, _parse(manifest_path, within))
             parsed[manifest_path] = cached
             return cached.result
@@ -319,7 +494,28 @@ class ToolCatalog:
                 skipped.append(Skipped(loser.dir, source, [shadow_problem(loser, tool)]))
             by_name[tool.name] = tool
         self._parsed[root], self._tools[root] = parsed, tools
-        return list(by_name.values()), skipped
+        return list(by_name.values()), skipped, bool(budget["complete"])
+
+
+def _merge(snapshots: Iterable[_Snapshot]) -> tuple[list[Tool], list[Skipped]]:
+    """The roots' tools by name, later roots overriding earlier ones, within MAX_LIST_BYTES."""
+    by_name: dict[str, Tool] = {}
+    skipped: list[Skipped] = []
+    for snapshot in snapshots:
+        by_name.update(snapshot.by_name)
+        skipped.extend(snapshot.skipped)
+    tools: list[Tool] = []
+    size = 0
+    for tool in sorted(by_name.values(), key=lambda tool: tool.name):
+        if size + tool.protocol_bytes > MAX_LIST_BYTES:
+            skipped.append(Skipped(tool.dir, tool.source, [Problem(
+                tool.manifest.path, f"left out of tools/list: with it the answer would exceed {MAX_LIST_BYTES} "
+                                    "bytes (the tools before it by name come first)",
+                "shorten the documentation of the tools or remove tools", field="name")]))
+            continue
+        size += tool.protocol_bytes
+        tools.append(tool)
+    return tools, skipped
 
 
 def _same_or(cached: Tool | None, fresh: Tool) -> Tool:

@@ -8,6 +8,11 @@ is not returned: half-understood tools are never offered to an agent.
 The YAML is read with the YAML 1.2 core schema, as the JavaScript loaders of
 pi read it: only ``true``/``false`` are booleans (``yes``, ``on``, ``no`` stay
 text), ``1e3`` is a number, and a key given twice is an error.
+
+A user's TOOL.md is written by that user's sandboxes, so it is hostile input the
+daemon parses: anchors and aliases (the "billion laughs" expansion) are refused,
+the frontmatter is bounded in bytes, nesting depth and nodes, and a parse that
+runs past PARSE_TIME_LIMIT_S stops with a problem (a check per YAML node).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +33,12 @@ import yaml
 
 MANIFEST_FILE = "TOOL.md"
 MAX_MANIFEST_BYTES = 1 << 20  # a user's TOOL.md is read by the daemon: bound the work it can cause
+# The frontmatter is metadata: these bound a parse to milliseconds by construction;
+# PARSE_TIME_LIMIT_S is the second line, checked at every YAML node.
+MAX_FRONTMATTER_BYTES = 64 << 10
+MAX_YAML_DEPTH = 16  # a manifest needs 5: inputs → input → values → value
+MAX_YAML_NODES = 10_000
+PARSE_TIME_LIMIT_S = 2.0
 MAX_NAME_LENGTH = 64  # model APIs refuse longer tool names
 INPUT_TYPES = ("string", "number", "boolean", "enum")
 LANGUAGES = ("typescript", "bash", "python")
@@ -125,7 +137,7 @@ def read_version(path: Path) -> int:
     if problem is not None:
         return 0
     frontmatter = _split_frontmatter(_normalise(text))
-    if frontmatter is None or not frontmatter.closed:
+    if frontmatter is None or not frontmatter.closed or len(frontmatter.yaml) > MAX_FRONTMATTER_BYTES:
         return 0
     try:
         data = yaml.load(frontmatter.yaml, Loader=_ManifestLoader)  # noqa: S506 - a safe loader
@@ -140,25 +152,36 @@ def _read_manifest_file(path: Path, within: Path | None) -> tuple[str, Problem |
         return "", Problem(path, message, fix, line=line)
 
     try:
-        # O_NONBLOCK: a FIFO named TOOL.md must not hang the daemon on open.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # O_PATH resolves the name without opening what it names: a FIFO, a device
+        # (opening some has effects) or a file out of the root is looked at, never opened.
+        handle = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         return problem(f"{path.name} does not exist", "create it with name, description and version frontmatter")
     except OSError as exc:
         return problem(f"cannot open {path.name}: {exc.strerror}", "make the file readable by the daemon")
-    with open(fd, "rb", closefd=True) as file:
-        info = os.fstat(fd)
+    try:
+        info = os.fstat(handle)
         if not stat.S_ISREG(info.st_mode):
             return problem(f"{path.name} is not a regular file", "replace it with a plain text file")
         if within is not None:
             # Check the file actually opened, so a symlink swapped after any earlier check cannot slip through.
-            real, root = _opened_path(fd, path), Path(within).resolve()
+            # The root's own last component is not followed: discovery passes it already resolved.
+            within = Path(within)
+            real, root = _opened_path(handle, path), Path(os.path.realpath(within.parent)) / within.name
             if not real.is_relative_to(root):
                 return problem(f"{path.name} resolves to {real}, outside the tools directory {root}",
                                f"put a real {path.name} inside {root} instead of a symlink out of it")
         if info.st_size > MAX_MANIFEST_BYTES:
             return problem(f"{path.name} is {info.st_size} bytes, over the limit of {MAX_MANIFEST_BYTES}",
                            "move long material into other files and keep TOOL.md to metadata and usage")
+        try:
+            # The very file checked above (the handle, not the name again); O_NONBLOCK as a last guard.
+            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            return problem(f"cannot open {path.name}: {exc.strerror}", "make the file readable by the daemon")
+    finally:
+        os.close(handle)
+    with open(fd, "rb", closefd=True) as file:
         data = file.read(MAX_MANIFEST_BYTES + 1)
     try:
         return data.decode("utf-8"), None
@@ -178,7 +201,36 @@ def _opened_path(fd: int, path: Path) -> Path:
 
 
 class _ManifestLoader(yaml.SafeLoader):
-    """PyYAML's safe loader switched to the YAML 1.2 core schema, refusing duplicate keys."""
+    """PyYAML's safe loader switched to the YAML 1.2 core schema, refusing duplicate keys.
+
+    It also refuses anchors and aliases and bounds depth, nodes and time (the module's docstring).
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+        self._deadline = time.monotonic() + PARSE_TIME_LIMIT_S
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
+            raise _Refused("anchors and aliases (&name, *name) are not allowed in TOOL.md",
+                           "write each value out in full instead of '&name' and '*name'", event.start_mark)
+        self._nodes += 1
+        if self._nodes > MAX_YAML_NODES:
+            raise _Refused(f"the frontmatter has more than {MAX_YAML_NODES} values",
+                           "keep the frontmatter to metadata and inputs", event.start_mark)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Refused(f"the frontmatter is nested more than {MAX_YAML_DEPTH} levels deep",
+                           "a manifest needs inputs → input → values at most; flatten the rest", event.start_mark)
+        if time.monotonic() > self._deadline:
+            raise ParseTimeout(f"reading the frontmatter took longer than {PARSE_TIME_LIMIT_S:g} s")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[tuple[str, str]] = set()
@@ -213,6 +265,18 @@ _ManifestLoader.add_implicit_resolver(
                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+.0123456789"))
 _ManifestLoader.add_constructor("tag:yaml.org,2002:int", _ManifestLoader.construct_yaml_int)
+
+
+class ParseTimeout(yaml.YAMLError):
+    """A parse ran out of time: the tool is skipped with a problem saying so."""
+
+
+class _Refused(yaml.composer.ComposerError):
+    """YAML that TOOL.md does not allow (anchors, too deep, too many nodes), with its fix."""
+
+    def __init__(self, problem: str, fix: str, mark: yaml.Mark) -> None:
+        super().__init__(None, None, problem, mark)
+        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -308,6 +372,12 @@ class _ManifestChecker:
             self.error(None, "the frontmatter is never closed", "add a line holding only '---' after the last key",
                        line=1)
             return None
+        size = len(frontmatter.yaml.encode())
+        if size > MAX_FRONTMATTER_BYTES:
+            self.error(None, f"the frontmatter is {size} bytes, over the limit of {MAX_FRONTMATTER_BYTES}",
+                       "keep the frontmatter to metadata and inputs; move long text into the Markdown body",
+                       line=1)
+            return None
         data = self._load_yaml(frontmatter.yaml)
         if data is None:
             return None
@@ -340,6 +410,14 @@ class _ManifestChecker:
         try:
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else None
+        except ParseTimeout as exc:
+            self.error(None, f"{exc}, so the tool is skipped",
+                       "simplify the frontmatter: a few keys and inputs read in milliseconds", line=1)
+            return None
+        except _Refused as exc:
+            line = exc.problem_mark.line + 2 if exc.problem_mark is not None else None
+            self.error(None, str(exc.problem), exc.fix, line=line)
+            return None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 2 if mark is not None else None  # +1 for 1-based, +1 for the opening ---
@@ -624,7 +702,8 @@ def _one_line(text: str) -> str:
 def _plain(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return str(value)
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _describe(value: Any) -> str:

@@ -144,13 +144,13 @@ def coerce(value: Any, json_type: str) -> Any:
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, (int, float)):
-            return js_number_to_string(value) if math.isfinite(value) else _INVALID
+            return js_number_to_string(value) if _finite(value) else _INVALID
         return "" if value is None else _INVALID
     if json_type == "number":
         if isinstance(value, bool):
             return int(value)
         if isinstance(value, (int, float)):
-            return value if math.isfinite(value) else _INVALID
+            return value if _finite(value) else _INVALID
         if value is None:
             return 0
         return _number_from_string(value) if isinstance(value, str) else _INVALID
@@ -163,6 +163,14 @@ def coerce(value: Any, json_type: str) -> Any:
             return value == 1
         return False if value is None else _INVALID
     raise ValueError(f"unsupported schema type {json_type!r}")
+
+
+def _finite(number: int | float) -> bool:
+    """Whether a JavaScript number can hold it: an integer of 400 digits is Infinity there."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int too large for a double
+        return False
 
 
 def _number_from_string(text: str) -> Any:
@@ -224,6 +232,8 @@ def _show(value: Any) -> str:
         return _truncate(json.dumps(value, ensure_ascii=False, allow_nan=False))
     except ValueError:  # NaN or Infinity from a lenient JSON decoder
         return repr(value)
+    except RecursionError:  # nested almost as deep as the parser allows
+        return f"a deeply nested {_json_type(value)}"
 
 
 def _truncate(text: str) -> str:
