@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any, Callable
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values
-from sandboxd.sandbox.backend import Backend, CallRequest
+from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits
 from sandboxd.sandbox.pool import Pool
 from sandboxd.tools.discovery import Tool, ToolCatalog
 from sandboxd.tools.schema import sensitive_names, validate_arguments
@@ -41,6 +42,41 @@ class _GraceExpired(Exception):
     pass
 
 
+class _ProgressCapExceeded(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _ProgressBudget:
+    """Forwards a call's progress until it passes calls.max_progress_updates or _bytes, then fails the call.
+
+    A progress flood costs the daemon CPU and the client bandwidth whoever reads it;
+    past the cap the call ends as crashed and its sandbox is replaced.
+    """
+
+    def __init__(self, max_updates: int, max_bytes: int, forward: Callable[[list[Any]], None]) -> None:
+        self._max_updates, self._max_bytes, self._forward = max_updates, max_bytes, forward
+        self._updates = self._bytes = 0
+        self.future: asyncio.Future[dict[str, Any]] | None = None
+
+    def __call__(self, content: list[Any]) -> None:
+        if self.future is None or self.future.done():
+            return
+        self._updates += 1
+        self._bytes += len(json.dumps(content, separators=(",", ":")))
+        if self._updates > self._max_updates:
+            _fail(self.future, _ProgressCapExceeded(
+                f"The tool sent more than {self._max_updates} progress updates (calls.max_progress_updates); "
+                "the call was stopped and its sandbox replaced. Report progress less often."))
+        elif self._bytes > self._max_bytes:
+            _fail(self.future, _ProgressCapExceeded(
+                f"The tool sent more than {self._max_bytes} bytes of progress (calls.max_progress_bytes); "
+                "the call was stopped and its sandbox replaced. Send short progress messages; put data in the result."))
+        else:
+            self._forward(content)
+
+
 @dataclass
 class CallParams:
     user: str
@@ -55,17 +91,27 @@ class CallParams:
         return list(self.env.values()) + [v for k, v in self.arguments.items() if k in names]
 
 
-def parse_call_params(params: Any, catalog: ToolCatalog, config: Config) -> CallParams:
-    """Check everything about a tools/call before anything runs (-32602 on any problem)."""
+def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, since: float) -> CallParams:
+    """Check everything about a tools/call before anything runs (-32602 on any problem).
+
+    The tool is looked up in the catalog's last scans (``since``: when the request arrived);
+    ScanNeeded means the tools changed and must be scanned, off the event loop, first.
+    """
     if not isinstance(params, dict):
         raise InvalidParams("tools/call needs params {\"user\", \"name\", \"arguments\"}.")
     user = check_user(params.get("user"))
     name = params.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidParams("'name' is required: the tool to call, as tools/list names it.")
-    tool = catalog.get(name, user)
+    meta = params.get("_meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
+    token = meta.get("progressToken") if meta is not None else None
+    if token is not None and (isinstance(token, bool) or not isinstance(token, (str, int, float))):
+        raise InvalidParams("'_meta.progressToken' must be a string or a number.")
+    tool = catalog.lookup(name, user, since=since)
     if tool is None:
-        known = ", ".join(t.name for t in catalog.list(user)[:20]) or "none"
+        known = ", ".join(catalog.known_names(user)[:20]) or "none"
         raise InvalidParams(f"unknown tool {name!r} for {user}; tools/list shows the tools (known: {known}).")
     arguments = params.get("arguments", {})
     arguments = validate_arguments(tool.schema, {} if arguments is None else arguments, tool=tool.name)
@@ -205,6 +251,7 @@ class CallRunner:
             return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = False
+        calls = self.config.calls
         try:
             ctx.phase, ctx.sandbox = "running", pooled.sandbox
             request = CallRequest(
@@ -212,10 +259,12 @@ class CallRunner:
                 entry=self.backend.entry_path(call.tool),
                 arguments=call.arguments,
                 env=call.env,
-                max_result_bytes=self.config.calls.max_result_bytes,
+                max_result_bytes=calls.max_result_bytes,
+                output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
             )
             assert pooled.sandbox is not None
-            ctx.future = future = pooled.sandbox.call(request, on_progress)
+            progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
+            ctx.future = future = progress.future = pooled.sandbox.call(request, progress)
             loop = asyncio.get_running_loop()
             ctx.timers.append(loop.call_later(call.timeout_s, _fail, future, _Timeout()))
             try:
@@ -228,7 +277,7 @@ class CallRunner:
                 return result("cancelled", text(
                     f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
                     f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
-            except SandboxFailed as exc:
+            except (SandboxFailed, _ProgressCapExceeded) as exc:
                 return result("crashed", text(exc.message), started)
             # The shim says when a tool left processes running or /tmp full (docs/shim.md).
             retire = answer.get("retire")

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from sandboxd import strictjson
 from sandboxd.errors import InvalidParams, PeerRefused, SandboxdError
 from sandboxd.logging import get_logger
 from sandboxd.server.calls import CallContext, parse_call_params, result, text
+from sandboxd.tools.discovery import ScanNeeded
+from sandboxd.users import check_user
 
 if TYPE_CHECKING:
     from sandboxd.server.server import Server
@@ -25,6 +28,7 @@ log = get_logger("sandboxd.server")
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
 # Stop reading from a client whose responses pile up unread.
 _WRITE_HIGH_WATER = 8 << 20
+_MAX_DOUBLE = int(sys.float_info.max)
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -44,6 +48,9 @@ class Connection(asyncio.Protocol):
         self._skipping = False  # inside an over-long line, dropping bytes up to its \n
         self.calls: dict[Any, CallContext] = {}  # request id → call in flight
         self.closed = False
+        self._answering: set[asyncio.Task[None]] = set()  # requests answered once a tools scan is done
+        self.writing_paused = False  # our write buffer is past its high-water mark
+        self._paused_sandboxes: set[Any] = set()  # sandboxes of our calls we stopped reading
 
     # -- asyncio.Protocol -------------------------------------------------------
 
@@ -68,12 +75,34 @@ class Connection(asyncio.Protocol):
             ctx.cancel("client disconnected")
 
     def pause_writing(self) -> None:
+        # The client reads no more: stop reading its requests, and the sandboxes of its
+        # running calls (a call that starts meanwhile is paused at its first progress),
+        # so that their output waits in the sandbox, not in our write buffer.
+        self.writing_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
+        for ctx in self.calls.values():
+            self._pause_sandbox(ctx)
 
     def resume_writing(self) -> None:
+        self.writing_paused = False
         if self.transport is not None:
             self.transport.resume_reading()
+        for sandbox in self._paused_sandboxes:
+            sandbox.resume_reading()
+        self._paused_sandboxes.clear()
+
+    def _pause_sandbox(self, ctx: CallContext) -> None:
+        sandbox = ctx.sandbox
+        if ctx.phase == "running" and sandbox is not None and sandbox not in self._paused_sandboxes:
+            sandbox.pause_reading()
+            self._paused_sandboxes.add(sandbox)
+
+    def _call_ended(self, ctx: CallContext) -> None:
+        """Before its sandbox goes back to the pool: another caller must find it reading."""
+        if ctx.sandbox is not None and ctx.sandbox in self._paused_sandboxes:
+            self._paused_sandboxes.discard(ctx.sandbox)
+            ctx.sandbox.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -124,9 +153,12 @@ class Connection(asyncio.Protocol):
         if not line.strip():
             return
         try:
-            message = strictjson.loads(line)
+            message = strictjson.loads(line, unique_keys=True)
         except UnicodeDecodeError:
             return self.send_error(None, PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.")
+        except strictjson.DuplicateKey as exc:
+            # Which value would win is parser-dependent: refused, not guessed (PROTOCOL.md).
+            return self.send_error(None, INVALID_REQUEST, f"{exc}; send every key of an object once.")
         except RecursionError:
             return self.send_error(None, PARSE_ERROR, "message is nested too deeply to parse.")
         except ValueError as exc:
@@ -138,6 +170,9 @@ class Connection(asyncio.Protocol):
         request_id = message.get("id")
         if not isinstance(request_id, (str, int, float, type(None))) or isinstance(request_id, bool):
             return self.send_error(None, INVALID_REQUEST, "'id' must be a string or a number.")
+        if isinstance(request_id, int) and abs(request_id) > _MAX_DOUBLE:
+            # JavaScript reads it as Infinity: no client could match the answer to its request.
+            return self.send_error(None, INVALID_REQUEST, "'id' is a number too large for a double; use a smaller number or a string.")
         method = message.get("method")
         if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
             return self.send_error(request_id, INVALID_REQUEST, "not a JSON-RPC 2.0 request: it needs \"jsonrpc\": \"2.0\" and a \"method\" string.")
@@ -168,24 +203,54 @@ class Connection(asyncio.Protocol):
         if method == "ping":
             return self.send({"jsonrpc": "2.0", "id": request_id, "result": {}})
         if method == "tools/list":
-            user = params.get("user") if isinstance(params, dict) else None
             if params is not None and not isinstance(params, dict):
                 raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
-            tools = server.catalog.list(user)
-            return self.send({"jsonrpc": "2.0", "id": request_id, "result": {"tools": [t.to_protocol() for t in tools]}})
+            user = params.get("user") if params is not None else None
+            return self._answer_later(request_id, method, self._list_tools(None if user is None else check_user(user)))
         if method == "sandbox/status":
             return self.send({"jsonrpc": "2.0", "id": request_id, "result": server.status()})
         if method == "tools/call":
-            return self.start_call(request_id, params)
+            return self.start_call(request_id, params, time.monotonic())
         raise _MethodNotFound(method)
 
-    def start_call(self, request_id: Any, params: Any) -> None:
+    async def _list_tools(self, user: str | None) -> dict[str, Any]:
+        tools = await self.server.catalog.list_async(user)  # any scan runs in a worker thread
+        return {"tools": [tool.to_protocol() for tool in tools]}
+
+    def _answer_later(self, request_id: Any, method: str, work: Coroutine[Any, Any, dict[str, Any] | None]) -> None:
+        """Answer from a task what waits for a tools scan (never run on the event loop's thread)."""
+
+        async def answer() -> None:
+            try:
+                outcome = await work
+            except SandboxdError as exc:
+                return self.send_error(request_id, exc.code, exc.message, exc.data)
+            except Exception:
+                log.exception("request_failed", method=method)
+                return self.send_error(request_id, INTERNAL_ERROR, "internal error in sandboxd; the daemon's log has the details.")
+            if outcome is not None:
+                self.send({"jsonrpc": "2.0", "id": request_id, "result": outcome})
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _start_after_scan(self, request_id: Any, params: dict[str, Any], arrived: float) -> None:
+        await self.server.catalog.refresh(params.get("user"), since=arrived)
+        if not self.closed:
+            self.start_call(request_id, params, arrived)  # the lookup now trusts the scan just made
+
+    def start_call(self, request_id: Any, params: Any, arrived: float) -> None:
         server = self.server
         if request_id in self.calls:
             raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
         if server.stopping:
             raise server.shutting_down_error()
-        call = parse_call_params(params, server.catalog, server.config)
+        try:
+            call = parse_call_params(params, server.catalog, server.config, since=arrived)
+        except ScanNeeded:
+            # The tools changed since the last scan (the warm path is a few stat calls, here).
+            return self._answer_later(request_id, "tools/call", self._start_after_scan(request_id, params, arrived))
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken", request_id)
         ctx = CallContext(request_id)
@@ -194,6 +259,8 @@ class Connection(asyncio.Protocol):
         def on_progress(content: list[Any]) -> None:
             nonlocal counter
             counter += 1
+            if self.writing_paused:
+                self._pause_sandbox(ctx)
             self.send({"jsonrpc": "2.0", "method": "notifications/progress",
                        "params": {"progressToken": token, "progress": counter, "content": content}})
 
@@ -211,6 +278,7 @@ class Connection(asyncio.Protocol):
                 log.exception("call_failed", tool=call.tool.name)
                 return self.send_error(request_id, INTERNAL_ERROR, "internal error in sandboxd; the daemon's log has the details.")
             finally:
+                self._call_ended(ctx)
                 self.calls.pop(request_id, None)
                 server.calls_in_flight.discard(ctx)
             self.send({"jsonrpc": "2.0", "id": request_id, "result": outcome})
