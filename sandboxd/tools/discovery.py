@@ -37,14 +37,17 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
+from sandboxd.logging import get_logger
 from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, Problem, parse_manifest
 from sandboxd.tools.schema import input_schema
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 
+log = get_logger("sandboxd.tools")
+
 ENTRY_FILES = ("index.ts", "index.js")  # in order of preference
 MAX_ENTRIES_PER_ROOT = 256  # entries of one tools root read (by name); the rest is skipped with a problem
-MAX_ROOT_MANIFEST_BYTES = 4 << 20  # TOOL.md bytes of one root; the tools past it are skipped
-ROOT_SCAN_TIME_LIMIT_S = 10.0  # a scan parses nothing more after this; the rest is retried at the next one
+MAX_ROOT_MANIFEST_BYTES = 2 << 20  # TOOL.md bytes of one root; the tools past it are skipped
+ROOT_SCAN_TIME_LIMIT_S = 5.0  # a scan parses nothing more after this; the rest is retried at the next one
 MAX_LIST_BYTES = 8 << 20  # of a tools/list answer (JSON); tools past it are skipped, by name
 Source = Literal["global", "user"]
 ParseFn = Callable[[Path, Path], tuple[Manifest | None, list[Problem]]]
@@ -353,7 +356,7 @@ class ToolCatalog:
             if future is None:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(_SCAN_WORKERS, thread_name_prefix="sandboxd-scan")
-                future = asyncio.wrap_future(self._executor.submit(self._scan, root, source))
+                future = asyncio.wrap_future(self._executor.submit(self._scan, root, source, log_skips=True))
                 self._inflight[root] = future
                 future.add_done_callback(partial(self._scan_done, root))
             snapshot = await asyncio.shield(future)
@@ -403,7 +406,7 @@ class ToolCatalog:
         with self._locks_lock:
             return self._root_locks.setdefault(root, threading.Lock())
 
-    def _scan(self, root: Path, source: Source) -> _Snapshot:
+    def _scan(self, root: Path, source: Source, *, log_skips: bool = False) -> _Snapshot:
         asked_at = time.monotonic()
         with self._root_lock(root):
             snapshot = self._snapshots.get(root)
@@ -418,6 +421,8 @@ class ToolCatalog:
                 skipped.insert(0, Skipped(root, source, problems))
             snapshot = _Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
                                  {tool.name: tool for tool in tools}, time.monotonic(), scanned_at)
+            if log_skips:  # the daemon's scans: the operator's log says why a tool is not offered
+                _log_new_skips(self._snapshots.get(root), snapshot)
             self._snapshots[root] = snapshot
             return snapshot
 
@@ -495,6 +500,15 @@ class ToolCatalog:
             by_name[tool.name] = tool
         self._parsed[root], self._tools[root] = parsed, tools
         return list(by_name.values()), skipped, bool(budget["complete"])
+
+
+def _log_new_skips(previous: _Snapshot | None, snapshot: _Snapshot) -> None:
+    """Tell the operator about each directory skipped for a new reason (a scan repeats the old ones)."""
+    seen = {(entry.dir, tuple(map(str, entry.problems))) for entry in previous.skipped} if previous else set()
+    for entry in snapshot.skipped:
+        problems = tuple(map(str, entry.problems))
+        if (entry.dir, problems) not in seen:
+            log.warning("tool_skipped", dir=str(entry.dir), source=entry.source, problems=list(problems[:5]))
 
 
 def _merge(snapshots: Iterable[_Snapshot]) -> tuple[list[Tool], list[Skipped]]:

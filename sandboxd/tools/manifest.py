@@ -653,7 +653,7 @@ class _ManifestChecker:
         if not ok:
             if isinstance(value, str) and kind in ("number", "boolean") and _reads_as(value, kind):
                 fix = f"write it without quotes: 'default: {value.strip()}'"
-            elif kind in ("string", "enum"):
+            elif kind in ("string", "enum") and not isinstance(value, (list, dict)):
                 fix = f"quote it: 'default: \"{_plain(value)}\"'"
             else:
                 fix = f"give {expected}"
@@ -702,7 +702,7 @@ def _one_line(text: str) -> str:
 def _plain(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = str(value)
+    text = str(value)  # a scalar: str() of a list or mapping could be huge
     return text if len(text) <= 60 else text[:57] + "..."
 
 

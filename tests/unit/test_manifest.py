@@ -613,3 +613,111 @@ def test_arbitrary_frontmatter_never_raises(data: dict, inputs: dict) -> None:
         assert any(p.severity == "error" for p in problems)
     else:
         assert all(p.severity == "warning" for p in problems)
+
+
+# --- hostile YAML: a user's TOOL.md is written by that user's sandboxes -----------------------
+
+
+def yaml_bomb(levels: int = 8) -> str:
+    """The ~600-byte manifest of issue 11: nested aliases as an input's default (9**levels items)."""
+    lines = ["name: bomb", "description: Boom.", "version: 1", "inputs:", "  q:", "    type: string",
+             "    description: Q.", "    default:", "      - &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"      - &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_anchors_and_aliases_are_refused_so_a_yaml_bomb_costs_nothing() -> None:
+    import time
+
+    text = yaml_bomb()
+    assert len(text.encode()) < 700
+    started = time.monotonic()
+    manifest, problems = parse(text)
+    assert time.monotonic() - started < 1.0  # str() of the expanded default alone took minutes
+    problem = only(problems)
+    assert manifest is None and "anchors and aliases" in problem.message and problem.line == 10
+    assert "&name" in problem.fix
+
+
+def test_a_single_anchor_is_refused_too() -> None:
+    problem = only(manifest_with("label: &l Demo\n")[1])
+    assert "anchors and aliases" in problem.message
+
+
+def test_read_version_refuses_aliases() -> None:
+    assert read_version_of("---\nversion: &v 3\n---\n") == 0
+
+
+def read_version_of(text: str) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "TOOL.md"
+        path.write_text(text)
+        return read_version(path)
+
+
+def test_nesting_deeper_than_the_limit_is_refused() -> None:
+    from sandboxd.tools.manifest import MAX_YAML_DEPTH
+
+    problem = only(manifest_with("label: " + "[" * (MAX_YAML_DEPTH + 5) + "]" * (MAX_YAML_DEPTH + 5) + "\n")[1])
+    assert f"nested more than {MAX_YAML_DEPTH} levels" in problem.message
+
+
+def test_more_nodes_than_the_limit_are_refused() -> None:
+    from sandboxd.tools.manifest import MAX_YAML_NODES
+
+    problem = only(manifest_with("label: [" + ",".join(["1"] * (MAX_YAML_NODES + 1)) + "]\n")[1])
+    assert f"more than {MAX_YAML_NODES} values" in problem.message
+
+
+def test_a_frontmatter_over_the_size_limit_is_refused_before_parsing() -> None:
+    from sandboxd.tools.manifest import MAX_FRONTMATTER_BYTES
+
+    problem = only(manifest_with("label: " + "x" * MAX_FRONTMATTER_BYTES + "\n")[1])
+    assert "over the limit" in problem.message and "Markdown body" in problem.fix
+
+
+def test_a_parse_past_the_time_limit_stops_with_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandboxd.tools import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "PARSE_TIME_LIMIT_S", -1.0)  # every node is past the deadline
+    manifest, problems = manifest_with()
+    problem = only(problems)
+    assert manifest is None and "took longer than" in problem.message and "skipped" in problem.message
+
+
+def test_a_list_default_for_a_string_input_is_reported_without_printing_it() -> None:
+    manifest, problems = manifest_with("inputs:\n  q:\n    type: string\n    description: Q.\n"
+                                       "    default: [" + ", ".join(["x" * 50] * 50) + "]\n")
+    problem = only(problems)
+    assert "got a list" in problem.message and len(problem.fix) < 100
+
+
+def test_a_tool_md_fifo_is_never_opened(tmp_path: Path) -> None:
+    """Not even for a moment: a writer waiting on the FIFO would see a reader appear."""
+    import threading
+
+    path = tmp_path / "TOOL.md"
+    os.mkfifo(path)
+    opened = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(path, os.O_WRONLY)  # blocks until someone opens the FIFO for reading
+        opened.set()
+        os.close(fd)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    assert "not a regular file" in only(parse_manifest(path)[1]).message
+    assert not opened.wait(0.5), "parse_manifest opened the FIFO"
+    os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+    thread.join(5)
+
+
+def test_a_tool_md_linked_to_a_device_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "tools"
+    (root / "demo").mkdir(parents=True)
+    (root / "demo" / "TOOL.md").symlink_to("/dev/zero")
+    problem = only(parse_manifest(root / "demo" / "TOOL.md", within=root)[1])
+    assert "not a regular file" in problem.message
