@@ -34,6 +34,24 @@ DEFAULT_ALLOWED_ENV = [
 ]
 
 
+# What `sandbox.user: auto` runs tools as: in the range systemd documents as unused
+# (1879048192-2147483647), so it is no account on the host and owns nothing but sandbox data.
+AUTO_SANDBOX_ID = 2_000_000_000
+# Outside DATA_PATH/<user>/, which sandboxes can write: a sandbox could turn a database path
+# in there into a link to another user's file, and Docker follows links (sandbox/mounts.py).
+DEFAULT_EMAIL_DB = "{data_path}/email/{user}/emails.db"
+LEGACY_EMAIL_DB = "{data_path}/{user}/emails.db"
+
+
+# The Docker network sandboxes join by default: a bridge the daemon creates with
+# inter-container traffic off, so one user's sandbox cannot reach another's ports.
+DEFAULT_NETWORK = "sandboxd"
+
+# Settings that weaken the sandbox start only when `allow_unsafe` names them (docs/config.md).
+UnsafeName = Literal["host_network", "shared_network", "cap_add", "writable_root", "host_uid", "unsandboxed"]
+UNSAFE_NAMES: tuple[str, ...] = UnsafeName.__args__  # type: ignore[attr-defined]
+
+
 def default_socket_path() -> Path:
     """PROTOCOL.md's default when we may create /run/sandboxd, else a per-user runtime dir."""
     if os.geteuid() == 0:
@@ -64,6 +82,15 @@ class CallsConfig(_Section):
     cancel_grace_ms: int = Field(2_000, ge=0, description="How long a cancelled tool may take to settle before its sandbox is killed.")
     max_result_bytes: int = Field(1 << 20, ge=1024, description="A result larger than this is cut, with a note saying so.")
     allowed_env: list[str] = Field(default_factory=lambda: list(DEFAULT_ALLOWED_ENV), description="Env names a call may set.")
+    # 100,000 lets a tool report every 10 ms for the longest deadline (10 min = 60,000 updates).
+    max_progress_updates: int = Field(100_000, ge=1, description="Progress updates one call may send; past it the call is crashed and its sandbox replaced.")
+    # Progress is status text: 64 MiB is 60,000 updates of 1 KiB with room to spare.
+    max_progress_bytes: int = Field(64 << 20, ge=1024, description="Bytes of progress content one call may send; past it the call is crashed and its sandbox replaced.")
+    output_rate_bytes: int = Field(1 << 20, ge=1024, description="Bytes per second of tool output (stderr, stdout) a sandbox may write; faster writers are slowed down.")
+    output_burst_bytes: int = Field(4 << 20, ge=1024, description="Tool output a sandbox may write at once before output_rate_bytes applies.")
+    # Above what the pipes and sockets between a tool and the daemon hold, which may still
+    # arrive after the call's answer.
+    idle_output_bytes: int = Field(1 << 20, ge=4096, description="Tool output a sandbox may write while no call runs; past it the sandbox is replaced.")
 
 
 class PoolConfig(_Section):
@@ -81,19 +108,19 @@ class PoolConfig(_Section):
 
 class SandboxConfig(_Section):
     image: str = Field(RUNNER_IMAGE, description="Runner image (make image builds it).")
-    network: str = Field("bridge", description="Docker network mode: bridge, none, host or a network name.")
+    network: str = Field(DEFAULT_NETWORK, description=f"Docker network: {DEFAULT_NETWORK} (the daemon's own bridge, no traffic between sandboxes), none, or another network or mode (allow_unsafe).")
     memory: str = Field("256m", description="Memory limit (docker syntax); swap is disabled.")
     cpus: float = Field(1.0, gt=0, description="CPU limit in cores.")
     pids_limit: int = Field(128, ge=8, description="Most processes and threads a sandbox may have.")
     tmp_size: str = Field("64m", description="Size of the tmpfs on /tmp.")
     read_only_root: bool = Field(True, description="Mount the image's filesystem read-only.")
     user: str = Field("auto", pattern=r"^(auto|\d+:\d+)$",
-                      description="uid:gid the tool runs as; auto = the daemon's, or 1000:1000 when root.")
+                      description=f"uid:gid the tool runs as; auto = {AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}, an id with no account on the host.")
     runtime: str | None = Field(None, description="OCI runtime, e.g. runsc for gVisor.")
     cap_add: list[str] = Field(default_factory=list, description="Capabilities given back after dropping ALL.")
     no_new_privileges: bool = Field(True, description="Forbid gaining privileges through setuid binaries.")
     init: bool = Field(True, description="Run an init process as PID 1 that reaps zombies.")
-    email_db: str = Field("{data_path}/{user}/emails.db", description="Host path of the user's email database.")
+    email_db: str = Field(DEFAULT_EMAIL_DB, description="Host path of the user's email database; never inside a user's data folder.")
     docker_host: str | None = Field(None, description="Docker engine URL; default DOCKER_HOST or the local socket.")
     transport: Literal["socket", "attach"] = Field(
         "socket",
@@ -101,6 +128,15 @@ class SandboxConfig(_Section):
                     "(fast; needs an engine on this host); attach = the container's stdin/stdout over docker attach "
                     "(works with a remote engine).",
     )
+
+    @field_validator("user", mode="after")
+    @classmethod
+    def _never_root(cls, value: str) -> str:
+        if value != "auto" and 0 in (int(part) for part in value.split(":")):
+            # No override: root in the sandbox is one kernel bug away from root on the host.
+            raise ValueError(f"{value!r} runs tools as root (uid or gid 0), which is never allowed; "
+                             "use auto (an id with no host account) or another uid:gid")
+        return value
 
     @model_validator(mode="after")
     def _socket_needs_a_local_engine(self) -> SandboxConfig:
@@ -170,7 +206,8 @@ class Config(_Section):
     socket_group: str | None = Field(None, description="Group that owns the socket.")
     allowed_uids: list[int] = Field(default_factory=list, description="Users (uid or name) whose connections are served, besides root and the daemon's own user; both lists empty = anyone who can open the socket.")
     allowed_gids: list[int] = Field(default_factory=list, description="Groups (gid or name) whose members' connections are served (primary or supplementary group).")
-    backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend.")
+    backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend; process runs tools UNSANDBOXED (serve needs allow_unsafe: [unsandboxed]).")
+    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, cap_add, writable_root, host_uid, unsandboxed.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
@@ -189,6 +226,25 @@ class Config(_Section):
     def _gids(cls, value: Any) -> Any:
         return _resolve_ids(value, lambda name: grp.getgrnam(name).gr_gid, "group")
 
+    @field_validator("allow_unsafe", mode="before")
+    @classmethod
+    def _override_names(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list):
+            for item in items:
+                if item not in UNSAFE_NAMES:
+                    raise ValueError(f"{item!r} is not an override name; the names are {', '.join(UNSAFE_NAMES)} "
+                                     "(docs/config.md, allow_unsafe)")
+        return items
+
+    @model_validator(mode="after")
+    def _dangerous_settings_are_named(self) -> Config:
+        refused = [message for name, message in unsafe_settings(self)
+                   if name not in self.allow_unsafe and name != "unsandboxed"]  # serve checks that one
+        if refused:
+            raise ValueError("; ".join(refused))
+        return self
+
     @field_validator("socket_mode", mode="before")
     @classmethod
     def _octal(cls, value: Any) -> Any:
@@ -203,6 +259,82 @@ class Config(_Section):
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         return value.expanduser().absolute() if value is not None else None
+
+    @model_validator(mode="after")
+    def _email_db_outside_user_data(self) -> Config:
+        email_db_path(self, "probe@example.invalid")  # raises ValueError naming the problem
+        return self
+
+
+def email_db_path(config: Config, user: str) -> Path:
+    """The host path of ``user``'s email database, from the ``sandbox.email_db`` template.
+
+    ValueError if the template is unusable: it must name ``{user}`` (one database per
+    user) and lie outside every user's data folder (DATA_PATH/<something with @>/), which
+    that user's sandboxes can write.
+    """
+    template = config.sandbox.email_db
+    if "{user}" not in template:
+        raise ValueError(f"sandbox.email_db {template!r} must contain {{user}}: each user has a database of their own")
+    try:
+        path = Path(os.path.normpath(template.format(data_path=config.data_path, user=user)))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"sandbox.email_db {template!r} may use only {{data_path}} and {{user}} ({exc})") from None
+    if not path.is_absolute():
+        raise ValueError(f"sandbox.email_db {template!r} must be an absolute path (or start with {{data_path}})")
+    data_path = Path(os.path.normpath(config.data_path))
+    if path.is_relative_to(data_path) and path != data_path and "@" in path.relative_to(data_path).parts[0]:
+        raise ValueError(
+            f"sandbox.email_db {template!r} lies inside a user's data folder, which that user's sandboxes can write "
+            f"(and so turn into a link to another user's file); use the default {DEFAULT_EMAIL_DB!r}"
+        )
+    return path
+
+
+def unsafe_settings(config: Config) -> list[tuple[str, str]]:
+    """(override name, what it risks and how to accept it) for each dangerous setting in ``config``."""
+    found = []
+
+    def add(name: str, risk: str) -> None:
+        found.append((name, f"{risk}; set allow_unsafe: [{name}] to accept it"))
+
+    sandbox = config.sandbox
+    network = sandbox.network
+    if network == "host" or network.startswith("container:"):
+        add("host_network", f"sandbox.network {network!r} gives tools the network of the host (or of that "
+                            "container), with every service listening on its loopback")
+    elif network not in (DEFAULT_NETWORK, "none"):
+        add("shared_network", f"sandbox.network {network!r} lets sandboxes of different users (and other "
+                              f"containers) reach each other; the default {DEFAULT_NETWORK!r} does not")
+    if sandbox.cap_add:
+        add("cap_add", f"sandbox.cap_add [{', '.join(sandbox.cap_add)}] gives tools back capabilities every sandbox drops")
+    if not sandbox.read_only_root:
+        add("writable_root", "sandbox.read_only_root false lets a tool change the image's files (node, the shim) "
+                             "under every later call in that sandbox")
+    if sandbox.user != "auto":
+        uid = int(sandbox.user.split(":")[0])
+        if uid == os.geteuid():
+            add("host_uid", f"sandbox.user {sandbox.user!r} runs tools as the daemon's own uid, owner of its "
+                            "files and sockets; use auto, an id with no host account")
+        else:
+            try:
+                account: str | None = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                account = None
+            if account is not None:
+                add("host_uid", f"sandbox.user {sandbox.user!r} runs tools as the host account {account!r}, "
+                                "whose files they could then change; use auto, an id with no host account")
+    if config.backend == "process":
+        add("unsandboxed", "backend 'process' runs tools as local node processes with this daemon's rights, "
+                           "files and network: nothing isolates them (development only)")
+    return found
+
+
+def check_unsandboxed(config: Config) -> None:
+    """For ``serve``: the process backend only when ``allow_unsafe`` names it (``sandboxd run`` asks by flag)."""
+    for name, message in unsafe_settings(config):
+        if name == "unsandboxed" and name not in config.allow_unsafe:
+            raise ConfigError(f"invalid configuration: {message}")
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -255,7 +387,8 @@ def _describe(error: ValidationError, source: str) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key (see docs/config.md for the keys)")
         else:
-            lines.append(f"{key}: {item['msg']}")
+            message = str(item["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key}: {message}" if key else message)
     return f"invalid configuration ({source}): " + "; ".join(lines)
 
 
@@ -320,7 +453,8 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
 # matches an entry exactly or by its section prefix; every other key needs a restart.
-LIVE_KEYS = ("pool.", "calls.", "sandbox.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids")
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids",
+             "allow_unsafe")  # live with the sandbox settings it was checked against
 # Exceptions inside live sections: fixed when the backend is built.
 RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")
 

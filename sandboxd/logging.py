@@ -35,6 +35,22 @@ def secret_values(values: Iterable[Any]) -> Iterator[None]:
         _secrets.reset(token)
 
 
+def current_secrets() -> frozenset[str]:
+    """The values masked in this task's events (those ``secret_values`` registered)."""
+    return _secrets.get()
+
+
+@contextlib.contextmanager
+def masking(secrets: frozenset[str]) -> Iterator[None]:
+    """Also mask these (already filtered) values until exit: for code that runs outside the
+    call that owns them, such as a sandbox's output arriving in a transport callback."""
+    token = _secrets.set(_secrets.get() | secrets)
+    try:
+        yield
+    finally:
+        _secrets.reset(token)
+
+
 def _scrub(value: Any, secrets: frozenset[str]) -> Any:
     if isinstance(value, str):
         for secret in secrets:

@@ -43,6 +43,18 @@ class SandboxSpec:
     # (host path, sandbox path) pairs bound read-only on top; `sandboxd run` mounts the one tool
     # it runs this way. The daemon never sets it: clients must not choose host paths.
     read_only_mounts: tuple[tuple[Path, str], ...] = ()
+    # The trusted folder (the data path) below which the paths above are opened without
+    # following links (sandbox/mounts.py); None: each path is trusted up to its own folder.
+    root: Path | None = None
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """How much tool output (stderr, stdout) a sandbox may write: calls.* in docs/config.md."""
+
+    output_rate_bytes: int = 1 << 20  # per second, refilling the bucket
+    output_burst_bytes: int = 4 << 20  # the bucket's size
+    idle_output_bytes: int = 1 << 20  # allowed while no call runs, per idle period
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class CallRequest:
     arguments: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     max_result_bytes: int = 1 << 20
+    # Not sent: the budget the sandbox is held to from this call on (until the next one).
+    output_limits: OutputLimits = OutputLimits()
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -87,7 +101,19 @@ class Sandbox(Protocol):
         ...
 
     def on_exit(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once when the sandbox dies (not when destroyed by the pool)."""
+        """Call ``callback`` once when the sandbox dies or turns out hostile (not when destroyed by the pool)."""
+        ...
+
+    def pause_reading(self) -> None:
+        """Stop reading the sandbox's protocol stream: the running call's client reads no more.
+
+        The shim then blocks on its own full socket or pipe, and nothing piles up in
+        the daemon. The call's deadline still runs, and destroy still works.
+        """
+        ...
+
+    def resume_reading(self) -> None:
+        """Undo ``pause_reading`` (the client drained, or the call ended)."""
         ...
 
 

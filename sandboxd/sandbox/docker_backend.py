@@ -32,7 +32,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import LogConfig, Mount, Ulimit
 
-from sandboxd.config import SandboxConfig
+from sandboxd.config import AUTO_SANDBOX_ID, DEFAULT_NETWORK, SandboxConfig
 from sandboxd.errors import BackendUnavailable, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import (
@@ -43,7 +43,9 @@ from sandboxd.sandbox.backend import (
     SandboxSpec,
     container_entry_path,
 )
+from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
+from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")
 
@@ -54,18 +56,18 @@ _FRAME = struct.Struct(">BxxxL")
 CONTAINER_SHIM_DIR = "/officer/run"
 EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit
 SHIM_SOCKET_NAME = "shim.sock"
+# Docker drops traffic between two containers on a bridge with this option "false".
+ICC_OPTION = "com.docker.network.bridge.enable_icc"
 
 # Errors that mean "the engine is not there", as opposed to "it said no".
 _UNREACHABLE = (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError)
 
 
 def sandbox_user(setting: str) -> str:
-    """uid:gid the tool runs as. auto: the daemon's own ids, or 1000:1000 when the daemon is root."""
+    """uid:gid the tool runs as. auto: AUTO_SANDBOX_ID, an id with no account on the host (docs/install.md)."""
     if setting != "auto":
         return setting
-    if os.geteuid() == 0:
-        return "1000:1000"
-    return f"{os.geteuid()}:{os.getegid()}"
+    return f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
 
 
 def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
@@ -163,6 +165,15 @@ class _AttachProtocol(asyncio.Protocol):
         self._sandbox.transport_closed()
 
 
+def _set_reading(transport: asyncio.Transport | None, on: bool) -> None:
+    if transport is None or transport.is_closing() or transport.is_reading() == on:
+        return
+    if on:
+        transport.resume_reading()
+    else:
+        transport.pause_reading()
+
+
 class DockerSandbox(ShimSandbox):
     def __init__(self, backend: DockerBackend, container_id: str, user: str, max_line_bytes: int) -> None:
         super().__init__(container_id[:12], user, max_line_bytes)
@@ -177,6 +188,16 @@ class DockerSandbox(ShimSandbox):
         transport = self.shim_transport or self.transport
         if transport is not None and not transport.is_closing():
             transport.write(data)
+
+    def _reading(self, *, protocol: bool, output: bool) -> None:
+        # A paused transport sees no EOF, but destroy closes it regardless, and over the
+        # socket transport the attach stream (paused only while its bucket refills) still
+        # reports the container's exit.
+        if self.shim_transport is not None:
+            _set_reading(self.shim_transport, protocol)
+            _set_reading(self.transport, output)
+        else:  # attach: one stream carries both
+            _set_reading(self.transport, protocol and output)
 
     def close_transports(self) -> None:
         """Close the shim's socket and really close the attach connection.
@@ -216,6 +237,8 @@ class DockerBackend:
         self._shim_dir = shim_dir
         self._shim_dir_is_temporary = shim_dir is None
         self._shim_dir_ready = False
+        if shim_dir is not None and config.transport == "socket":
+            self._prepare_shim_dir()  # an unsafe directory stops start-up (OSError), not every later call
         self._api: docker.APIClient | None = None
         # Enough threads that a burst of starts does not queue behind slow removes.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="docker")
@@ -259,18 +282,28 @@ class DockerBackend:
         if self._shim_dir is None:
             self._shim_dir = Path(tempfile.mkdtemp(prefix="sandboxd-shims-"))
         if not self._shim_dir_ready:
-            path = self._shim_dir
-            path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if path.is_symlink() or path.stat().st_uid != os.geteuid():
-                raise BackendUnavailable(f"{path} must be a directory owned by sandboxd's user; remove it and restart.")
-            os.chmod(path, 0o700)
-            for stale in path.iterdir():  # sockets of sandboxes an earlier run started
-                if stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
-            self._shim_dir_ready = True
+            try:
+                self._prepare_shim_dir()
+            except OSError as exc:
+                raise BackendUnavailable(str(exc)) from None
         return self._shim_dir
+
+    def _prepare_shim_dir(self) -> None:
+        """Check the shim sockets' directory (and, beside the API socket, that socket's
+        directory too): whoever could write either could plant a socket a shim connects to,
+        or swap the directory itself. OSError says what to fix."""
+        path = self._shim_dir
+        assert path is not None
+        if not self._shim_dir_is_temporary:
+            secure_directory(path.parent, mode=0o755, what="the socket's directory")
+        secure_directory(path, mode=0o700, what="the shim sockets' directory")
+        os.chmod(path, 0o700)  # nobody else may even look up a sandbox's socket
+        for stale in path.iterdir():  # sockets of sandboxes an earlier run started
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        self._shim_dir_ready = True
 
     def ping(self) -> bool:
         try:
@@ -433,19 +466,19 @@ class DockerBackend:
 
     def _create(self, spec: SandboxSpec, shim_dir: Path | None) -> str:
         cfg = self.config
-        self._prepare_dirs(spec)
-        mounts = [
-            Mount(CONTAINER_TOOLS, str(spec.tools_dir), type="bind", read_only=True),
-            Mount(CONTAINER_USER, str(spec.user_dir), type="bind", read_only=False),
-            Mount(CONTAINER_USER_TOOLS, str(spec.user_tools_dir), type="bind", read_only=True),
-        ]
+        uid, gid = self.user.split(":")
+        # Checked below the data path without following links; the sandbox uid gets access by ACL.
+        try:
+            binds, warnings = sandbox_binds(spec, int(uid))
+        except OSError as exc:  # not the engine's fault: say what, not "unreachable"
+            raise BackendUnavailable(f"cannot prepare the sandbox's folders for {spec.user}: {exc}") from None
+        for warning in warnings:
+            log.warning("sandbox_mount_access", user=spec.user, problem=warning)
+        mounts = [Mount(bind.target, bind.source, type="bind", read_only=bind.read_only) for bind in binds]
         mounts += [Mount(target, str(source), type="bind", read_only=True) for source, target in spec.read_only_mounts]
         # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
-        uid, gid = self.user.split(":")
         tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}",
                  "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
-        if spec.email_db is not None and spec.email_db.is_file():
-            mounts.append(Mount(CONTAINER_EMAIL_DB, str(spec.email_db), type="bind", read_only=False))
         environment = sandbox_env(spec)
         if shim_dir is not None:
             mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
@@ -463,7 +496,7 @@ class DockerBackend:
             pids_limit=cfg.pids_limit,
             ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="nofile", soft=4096, hard=4096)],
             init=cfg.init,
-            network_mode=cfg.network,
+            network_mode=self._network(),
             runtime=cfg.runtime,
             ipc_mode="private",
             # Tool output is read over attach; a json-file log would let a flood fill the disk.
@@ -483,15 +516,37 @@ class DockerBackend:
         )
         return container["Id"]
 
-    def _prepare_dirs(self, spec: SandboxSpec) -> None:
-        for path in (spec.tools_dir, spec.user_dir, spec.user_tools_dir):
-            path.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0 and self.config.user == "auto":
-            # The tool runs as 1000:1000 and must be able to write the user's data root.
-            uid, gid = (int(x) for x in self.user.split(":"))
-            stat = spec.user_dir.stat()
-            if (stat.st_uid, stat.st_gid) != (uid, gid):
-                os.chown(spec.user_dir, uid, gid)
+    def _network(self) -> str:
+        """The network a new sandbox joins; the default one is made on first use.
+
+        One network for every daemon on this engine (labelled, never removed): with
+        inter-container traffic off, sandboxes on it reach neither each other nor other
+        containers on it, only what lies beyond the bridge. Looked up at every start (a
+        few ms), so a network removed while the daemon runs is made again.
+        """
+        name = self.config.network
+        if name != DEFAULT_NETWORK:
+            return name
+        api = self.api()
+        try:
+            network = api.inspect_network(name)
+        except docker.errors.NotFound:
+            try:
+                api.create_network(name, driver="bridge", options={ICC_OPTION: "false"},
+                                   labels={LABEL_MANAGED: "1"}, check_duplicate=True)
+                log.info("network_created", network=name, inter_container_traffic=False)
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: another daemon made it at the same moment
+                    raise
+            network = api.inspect_network(name)
+        labels, options = network.get("Labels") or {}, network.get("Options") or {}
+        if labels.get(LABEL_MANAGED) != "1" or options.get(ICC_OPTION) != "false":
+            raise BackendUnavailable(
+                f"the Docker network {name!r} was not made by sandboxd, or lets containers on it reach each other "
+                f"({ICC_OPTION}={options.get(ICC_OPTION, 'true')}); remove it (docker network rm {name}) and "
+                "sandboxd makes its own"
+            )
+        return name
 
     def _attach(self, container_id: str, with_stdin: bool) -> Any:
         # Attach before start with logs=0, so no early output is lost or replayed.

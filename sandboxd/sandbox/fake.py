@@ -35,6 +35,7 @@ class FakeSandbox:
         self.aborted = asyncio.Event()
         self.calls: list[CallRequest] = []
         self.cancel_reasons: list[str] = []
+        self.reading_paused = False  # what pause_reading/resume_reading last said
 
     @property
     def alive(self) -> bool:
@@ -71,6 +72,12 @@ class FakeSandbox:
 
     def on_exit(self, callback: Callable[[], None]) -> None:
         self._exit_callbacks.append(callback)
+
+    def pause_reading(self) -> None:
+        self.reading_paused = True
+
+    def resume_reading(self) -> None:
+        self.reading_paused = False
 
     def die(self, message: str = "the sandbox died") -> None:
         """Simulate the sandbox dying on its own (OOM, process.exit, killed)."""

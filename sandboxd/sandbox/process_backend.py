@@ -35,22 +35,43 @@ class ProcessSandbox(ShimSandbox):
         super().__init__(f"pid-{process.pid}", user, max_line_bytes)
         self.process = process
         self._pumps: list[asyncio.Task[None]] = []
+        # Set while each pump may read; a pump that waits lets its pipe fill (the
+        # StreamReader pauses the pipe past its limit), so the shim blocks on write.
+        self._read_protocol = asyncio.Event()
+        self._read_output = asyncio.Event()
+        self._read_protocol.set()
+        self._read_output.set()
 
     def _write(self, data: bytes) -> None:
         stdin = self.process.stdin
         if stdin is not None and not stdin.is_closing():
             stdin.write(data)
 
+    def _reading(self, *, protocol: bool, output: bool) -> None:
+        for event, on in ((self._read_protocol, protocol), (self._read_output, output)):
+            if on:
+                event.set()
+            else:
+                event.clear()
+
     async def pump(self) -> None:
         """Feed the shim's stdout to the channel until EOF."""
         assert self.process.stdout is not None
-        while chunk := await self.process.stdout.read(1 << 16):
+        while True:
+            await self._read_protocol.wait()
+            chunk = await self.process.stdout.read(1 << 16)
+            if not chunk:
+                break
             self.channel.feed(chunk)
         self.transport_closed()
 
     async def pump_stderr(self) -> None:
         assert self.process.stderr is not None
-        while chunk := await self.process.stderr.read(1 << 16):
+        while True:
+            await self._read_output.wait()
+            chunk = await self.process.stderr.read(1 << 16)
+            if not chunk:
+                break
             self.stderr_data(chunk)
 
     async def exit_reason(self) -> SandboxFailed:

@@ -1,9 +1,15 @@
 """The daemon's side of the shim protocol (docs/shim.md), for any byte transport.
 
 A backend feeds the shim's stdout into ``feed`` and gives a ``write`` function
-for its stdin. Everything the shim says is untrusted: a line that is not the
-protocol or is too long breaks the sandbox (``SandboxFailed``), and an answer or
-progress for a call that is not the running one is dropped.
+for its stdin. Everything the shim says is untrusted. The shim speaks only when
+asked: ``ready`` once, then progress and one answer for the running call. Anything
+else (a line that is not the protocol or is too long, a message while no call runs,
+progress or an answer for another call, an unknown method) means a tool wrote to the
+protocol stream: the sandbox is broken (``SandboxFailed``) and replaced.
+
+Tool output has a budget in every state (``OutputLimits``): a token bucket whose
+emptiness pauses reading the sandbox's output, so the tool blocks on its own full
+pipe, and a small allowance while no call runs, past which the sandbox is broken.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ import asyncio
 import collections
 import itertools
 import json
+import time
 from typing import Any, Callable
 
 from sandboxd import strictjson
 from sandboxd.errors import SandboxFailed
-from sandboxd.logging import get_logger
-from sandboxd.sandbox.backend import CallRequest, ProgressCallback
+from sandboxd.logging import current_secrets, get_logger, masking
+from sandboxd.sandbox.backend import CallRequest, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
 
@@ -25,8 +32,10 @@ SHIM_PROTOCOL = 2
 
 
 class ShimChannel:
-    def __init__(self, write: Callable[[bytes], None], *, max_line_bytes: int) -> None:
+    def __init__(self, write: Callable[[bytes], None], *, max_line_bytes: int,
+                 on_broken: Callable[[SandboxFailed], None] | None = None) -> None:
         self._write = write
+        self._on_broken = on_broken
         self._max_line = max_line_bytes
         self._buffer = bytearray()
         self._ids = itertools.count(1)
@@ -64,6 +73,11 @@ class ShimChannel:
     def _send(self, message: dict[str, Any]) -> None:
         self._write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
+    @property
+    def busy(self) -> bool:
+        """A call was sent and the shim has not answered it (even if the daemon gave up on it)."""
+        return self._call_future is not None
+
     # -- shim → daemon -----------------------------------------------------
 
     def feed(self, data: bytes) -> None:
@@ -82,7 +96,7 @@ class ShimChannel:
                 return
         del self._buffer[:start]
         if len(self._buffer) > self._max_line:
-            self.close(SandboxFailed(f"the tool's output line exceeded {self._max_line} bytes; its sandbox was stopped."))
+            self.fail(f"the tool's output line exceeded {self._max_line} bytes; its sandbox was stopped.")
 
     def _handle_line(self, line: bytes) -> None:
         line = line.rstrip(b"\r")
@@ -91,32 +105,36 @@ class ShimChannel:
         try:
             message = strictjson.loads(line)
         except (ValueError, RecursionError):
-            self.close(SandboxFailed("the sandbox wrote something that is not the shim protocol on its protocol stream."))
+            self.fail("the sandbox wrote something that is not the shim protocol on its protocol stream.")
             return
         if not isinstance(message, dict):
-            self.close(SandboxFailed("the sandbox sent a protocol message that is not an object."))
+            self.fail("the sandbox sent a protocol message that is not an object.")
             return
         method = message.get("method")
         params = message.get("params")
         if not isinstance(params, dict):
             params = {}
-        if method == "progress":
-            if params.get("id") == self._call_id and self._on_progress is not None and not self._done():
+        if method == "ready" and not self.ready.done():
+            self.ready.set_result(params)
+            return
+        # The shim never speaks unasked (docs/shim.md): whatever else comes while no call
+        # runs, or is about another call, was written by the tool. A forged line must not
+        # pass as a result, and a sandbox whose tool can write here cannot be trusted again.
+        if self._call_future is None:
+            self.fail(f"the sandbox sent a protocol message ({_kind(message)}) while no call was running: "
+                      "a tool wrote to the shim's protocol stream. Its sandbox was replaced.")
+        elif method == "progress" and params.get("id") == self._call_id:
+            if self._on_progress is not None and not self._call_future.done():  # dropped once the daemon gave up
                 content = params.get("content")
                 self._on_progress(content if isinstance(content, list) else [])
-        elif method == "ready":
-            if not self.ready.done():
-                self.ready.set_result(params)
-        elif "id" in message and ("result" in message or "error" in message):
+        elif method is None and message.get("id") == self._call_id and ("result" in message or "error" in message):
             self._settle(message)
-        # Anything else (future notifications, logs) is ignored on purpose.
-
-    def _done(self) -> bool:
-        return self._call_future is None or self._call_future.done()
+        else:
+            self.fail(f"the sandbox sent a protocol message ({_kind(message)}) that is not about the running call: "
+                      "a tool wrote to the shim's protocol stream. Its sandbox was replaced.")
 
     def _settle(self, message: dict[str, Any]) -> None:
-        if message.get("id") != self._call_id or self._call_future is None:
-            return  # an answer for a call we already gave up on
+        assert self._call_future is not None
         future, self._call_future, self._on_progress = self._call_future, None, None
         if future.done():
             return
@@ -131,6 +149,15 @@ class ShimChannel:
             return
         future.set_result(result)
 
+    def fail(self, message: str) -> None:
+        """The sandbox broke the protocol or its budget: close, and say so (the pool replaces it)."""
+        if self.closed is not None:
+            return
+        error = SandboxFailed(message)
+        self.close(error)
+        if self._on_broken is not None:
+            self._on_broken(error)
+
     def close(self, error: SandboxFailed) -> None:
         """The transport ended or broke the protocol: fail whatever waits on it."""
         if self.closed is not None:
@@ -144,26 +171,49 @@ class ShimChannel:
         self._call_future = None
 
 
-class ShimSandbox:
-    """What every shim-backed sandbox shares: the channel, a stderr tail, exit handling.
+def _kind(message: dict[str, Any]) -> str:
+    """What a stray message was, for the error: its method, or that it was an answer. Never its content."""
+    method = message.get("method")
+    if isinstance(method, str):
+        return f"method {method[:40]!r}"
+    return "an answer" if "result" in message or "error" in message else "no method"
 
-    Subclasses provide ``_write`` (bytes to the shim's stdin) and ``exit_reason``
-    (why the sandbox ended, in words an agent can act on).
+
+class ShimSandbox:
+    """What every shim-backed sandbox shares: the channel, output budgets, a stderr tail, exit handling.
+
+    Subclasses provide ``_write`` (bytes to the shim's stdin), ``_reading`` (pause or
+    resume reading its protocol and output streams) and ``exit_reason`` (why the
+    sandbox ended, in words an agent can act on).
     """
 
     STDERR_TAIL_LINES = 20
+    # Past this many distinct secrets (calls with fresh tokens), stderr text is no longer logged:
+    # masking must cover every secret the sandbox was ever given, since a timer may print one later.
+    MAX_MASKED_SECRETS = 1024
 
     def __init__(self, sandbox_id: str, user: str, max_line_bytes: int) -> None:
         self.id = sandbox_id
         self.user = user
-        self.channel = ShimChannel(self._write, max_line_bytes=max_line_bytes)
+        self.channel = ShimChannel(self._write, max_line_bytes=max_line_bytes, on_broken=self._broken)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=self.STDERR_TAIL_LINES)
         self.destroying = False
         self._exited = False
+        self._exit_notified = False
         self._exit_callbacks: list[Callable[[], None]] = []
         self._stderr_partial = b""
         # Called with each line of tool output as it arrives (`sandboxd run` shows them to the developer).
         self.on_stderr: Callable[[str], None] | None = None
+        # Every secret of every call this sandbox ran: its output is masked against all of them.
+        self._secrets: frozenset[str] = frozenset()
+        # The output budget: the limits of the latest call (defaults before the first one).
+        self._limits = OutputLimits()
+        self._tokens = float(self._limits.output_burst_bytes)
+        self._refilled_at = time.monotonic()
+        self._idle_output = 0  # bytes of output since the last call ended
+        self._output_paused = False  # the bucket is empty
+        self._client_paused = False  # the running call's client reads no more
+        self._refill: asyncio.TimerHandle | None = None
 
     @property
     def alive(self) -> bool:
@@ -171,6 +221,11 @@ class ShimSandbox:
 
     def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
         self.stderr_tail.clear()
+        self._limits = request.output_limits
+        self._idle_output = 0
+        # The caller's redaction context (CallRunner's secret_values) names this call's secrets.
+        if len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
+            self._secrets |= current_secrets()
         return self.channel.call(request, on_progress)
 
     def cancel(self, reason: str) -> None:
@@ -179,7 +234,23 @@ class ShimSandbox:
     def on_exit(self, callback: Callable[[], None]) -> None:
         self._exit_callbacks.append(callback)
 
+    def pause_reading(self) -> None:
+        """The running call's client stopped reading: stop reading the shim's protocol stream too."""
+        self._client_paused = True
+        self._apply_reading()
+
+    def resume_reading(self) -> None:
+        self._client_paused = False
+        self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        self._reading(protocol=not self._client_paused, output=not self._output_paused)
+
     def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _reading(self, *, protocol: bool, output: bool) -> None:
+        """Read (True) or stop reading (False) the protocol stream and the output stream."""
         raise NotImplementedError
 
     async def exit_reason(self) -> SandboxFailed:
@@ -187,20 +258,69 @@ class ShimSandbox:
 
     def stderr_data(self, payload: bytes) -> None:
         """Tool output (tagged with its call id by the shim): kept as a tail for crash reports."""
+        self._spend(len(payload))
         lines = (self._stderr_partial + payload).split(b"\n")
         self._stderr_partial = lines.pop()[-4096:]
-        for raw in lines:
-            line = raw[:4096].decode("utf-8", "replace")
-            self.stderr_tail.append(line)
-            _log.debug("tool_stderr", sandbox=self.id, line=line)
-            if self.on_stderr is not None:
-                self.on_stderr(line)
+        if not lines:
+            return
+        with masking(self._secrets):  # this runs outside any call's context
+            for raw in lines:
+                line = raw[:4096].decode("utf-8", "replace")
+                self.stderr_tail.append(line)
+                if len(self._secrets) <= self.MAX_MASKED_SECRETS:
+                    _log.debug("tool_stderr", sandbox=self.id, line=line)
+                else:
+                    _log.debug("tool_stderr", sandbox=self.id, line=f"({len(line)} characters, not logged: "
+                               f"too many secrets to mask)")
+                if self.on_stderr is not None:
+                    self.on_stderr(line)
+
+    def _spend(self, size: int) -> None:
+        """Charge output to the budget: an empty bucket pauses reading, idle output past its allowance breaks."""
+        limits = self._limits
+        if not self.channel.busy:
+            self._idle_output += size
+            if self._idle_output > limits.idle_output_bytes:
+                self.channel.fail(
+                    f"the sandbox wrote more than {limits.idle_output_bytes} bytes of output while no call was running "
+                    "(calls.idle_output_bytes); it was replaced.")
+                return
+        self._top_up()
+        self._tokens -= size
+        if self._tokens < 0 and not self._output_paused:
+            self._output_paused = True
+            self._apply_reading()
+            self._refill = asyncio.get_running_loop().call_later(-self._tokens / limits.output_rate_bytes, self._refilled)
+
+    def _top_up(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(float(self._limits.output_burst_bytes),
+                           self._tokens + (now - self._refilled_at) * self._limits.output_rate_bytes)
+        self._refilled_at = now
+
+    def _refilled(self) -> None:
+        self._top_up()
+        if self._tokens < 0:  # the limits changed meanwhile
+            self._refill = asyncio.get_running_loop().call_later(-self._tokens / self._limits.output_rate_bytes, self._refilled)
+            return
+        self._refill = None
+        self._output_paused = False
+        self._apply_reading()
+
+    def _broken(self, error: SandboxFailed) -> None:
+        """The channel found the sandbox hostile: tell the pool now, so an idle one is destroyed at once."""
+        if self.destroying:
+            return
+        _log.warning("sandbox_broken", sandbox=self.id, user=self.user, reason=error.message)
+        self._notify_exit()
 
     def transport_closed(self) -> None:
         """The shim's stream ended: the sandbox exited, or sandboxd destroyed it."""
         if self._exited:
             return
         self._exited = True
+        if self._refill is not None:
+            self._refill.cancel()
         if self.destroying:
             self.channel.close(SandboxFailed("the sandbox was stopped by sandboxd."))
             return
@@ -208,5 +328,11 @@ class ShimSandbox:
 
     async def _report_exit(self) -> None:
         self.channel.close(await self.exit_reason())
+        self._notify_exit()
+
+    def _notify_exit(self) -> None:
+        if self._exit_notified:
+            return
+        self._exit_notified = True
         for callback in self._exit_callbacks:
             callback()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import time
 from typing import Any
 
 import pytest
 
 from sandboxd.errors import SandboxFailed
-from sandboxd.sandbox.backend import CallRequest
-from sandboxd.sandbox.shim import ShimChannel
+from sandboxd.logging import configure_logging, secret_values
+from sandboxd.sandbox.backend import CallRequest, OutputLimits
+from sandboxd.sandbox.shim import ShimChannel, ShimSandbox
 
 
 def line(message: Any) -> bytes:
@@ -40,16 +43,78 @@ def test_call_progress_and_result_split_across_reads() -> None:
     asyncio.run(main())
 
 
-def test_stale_answers_and_odd_params_are_dropped() -> None:
+def test_a_healthy_shims_conversation_never_breaks_the_sandbox() -> None:
+    async def main() -> None:
+        broken: list[SandboxFailed] = []
+        sent: list[bytes] = []
+        progress: list[Any] = []
+        channel = ShimChannel(sent.append, max_line_bytes=4096, on_broken=broken.append)
+        channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {"protocol": 2}}))
+        for n in range(3):
+            future = channel.call(CallRequest(f"c{n}", "/officer/tools/x/index.ts", {}), progress.append)
+            call_id = json.loads(sent[-1])["id"]
+            channel.feed(line({"jsonrpc": "2.0", "method": "progress", "params": {"id": call_id, "content": []}}))
+            channel.feed(line({"jsonrpc": "2.0", "id": call_id, "result": {"status": "ok", "content": []}}))
+            assert (await future)["status"] == "ok"
+        assert broken == [] and channel.closed is None and len(progress) == 3
+
+    asyncio.run(main())
+
+
+def test_late_words_for_a_call_the_daemon_gave_up_on_are_dropped() -> None:
     async def main() -> None:
         channel, sent, progress, future = started_call()
         call_id = json.loads(sent[0])["id"]
-        channel.feed(line({"jsonrpc": "2.0", "method": "progress", "params": ["not", "an", "object"]}))
-        channel.feed(line({"jsonrpc": "2.0", "method": "progress", "params": {"id": call_id + 1, "content": []}}))
-        channel.feed(line({"jsonrpc": "2.0", "id": call_id + 1, "result": {"status": "ok"}}))
-        channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": 5}))
-        assert progress == [] and not future.done() and channel.closed is None
-        assert await channel.ready == {}
+        future.set_exception(SandboxFailed("deadline"))  # what CallRunner does at the deadline
+        future.exception()
+        channel.feed(line({"jsonrpc": "2.0", "method": "progress", "params": {"id": call_id, "content": []}}))
+        channel.feed(line({"jsonrpc": "2.0", "id": call_id, "result": {"status": "ok"}}))
+        assert progress == [] and channel.closed is None
+
+    asyncio.run(main())
+
+
+STRAY = [
+    {"jsonrpc": "2.0", "method": "progress", "params": ["not", "an", "object"]},
+    {"jsonrpc": "2.0", "method": "progress", "params": {"id": 99, "content": []}},
+    {"jsonrpc": "2.0", "id": 99, "result": {"status": "ok", "content": []}},
+    {"jsonrpc": "2.0", "method": "ready", "params": {"protocol": 2}},  # a second ready
+    {"jsonrpc": "2.0", "method": "log", "params": {}},
+    {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "x"}},
+]
+
+
+@pytest.mark.parametrize("stray", STRAY)
+def test_a_message_about_another_call_breaks_the_sandbox(stray: dict[str, Any]) -> None:
+    async def main() -> None:
+        broken: list[SandboxFailed] = []
+        sent: list[bytes] = []
+        channel = ShimChannel(sent.append, max_line_bytes=4096, on_broken=broken.append)
+        channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {}}))
+        future = channel.call(CallRequest("c1", "/officer/tools/x/index.ts", {}), lambda _c: None)
+        channel.feed(line(stray))
+        with pytest.raises(SandboxFailed, match="not about the running call"):
+            await future
+        assert broken and broken[0] is channel.closed
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stray", STRAY + [{"jsonrpc": "2.0", "id": 1, "result": {"status": "ok", "content": []}}])
+def test_anything_while_no_call_runs_breaks_the_sandbox(stray: dict[str, Any]) -> None:
+    async def main() -> None:
+        broken: list[SandboxFailed] = []
+        sent: list[bytes] = []
+        channel = ShimChannel(sent.append, max_line_bytes=4096, on_broken=broken.append)
+        channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {}}))
+        future = channel.call(CallRequest("c1", "/officer/tools/x/index.ts", {}), lambda _c: None)
+        channel.feed(line({"jsonrpc": "2.0", "id": 1, "result": {"status": "ok", "content": []}}))
+        await future
+        channel.feed(line(stray))  # a forged line, or a second answer to call 1
+        assert len(broken) == 1 and "while no call was running" in broken[0].message
+        later = channel.call(CallRequest("c2", "/officer/tools/x/index.ts", {}), lambda _c: None)
+        with pytest.raises(SandboxFailed):
+            await later
 
     asyncio.run(main())
 
@@ -75,3 +140,105 @@ def test_an_endless_line_is_cut_off() -> None:
         assert "1024 bytes" in info.value.message
 
     asyncio.run(main())
+
+
+# -- ShimSandbox: output budgets, reading, masking ------------------------------------------
+
+
+class RecordingSandbox(ShimSandbox):
+    """A ShimSandbox whose transports are lists: what it was told to write and to read."""
+
+    def __init__(self) -> None:
+        super().__init__("sb-1", "alice@example.com", 4096)
+        self.sent: list[bytes] = []
+        self.reading: list[tuple[bool, bool]] = []
+
+    def _write(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def _reading(self, *, protocol: bool, output: bool) -> None:
+        self.reading.append((protocol, output))
+
+    async def exit_reason(self) -> SandboxFailed:
+        return SandboxFailed("exited")
+
+    def start_call(self, limits: OutputLimits) -> asyncio.Future[dict[str, Any]]:
+        self.channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {}}))
+        return self.call(CallRequest("c1", "/officer/tools/x/index.ts", {}, output_limits=limits), lambda _c: None)
+
+    def answer(self) -> None:
+        call_id = json.loads(self.sent[-1])["id"]
+        self.channel.feed(line({"jsonrpc": "2.0", "id": call_id, "result": {"status": "ok", "content": []}}))
+
+
+BIG = OutputLimits(output_rate_bytes=1 << 30, output_burst_bytes=1 << 30, idle_output_bytes=8192)
+
+
+def test_an_idle_sandbox_that_keeps_writing_is_reported_dead() -> None:
+    async def main() -> None:
+        sandbox = RecordingSandbox()
+        died: list[bool] = []
+        sandbox.on_exit(lambda: died.append(True))
+        future = sandbox.start_call(BIG)
+        sandbox.stderr_data(b"x" * 100_000 + b"\n")  # during the call: any amount within the rate
+        sandbox.answer()
+        await future
+        sandbox.stderr_data(b"[c1 (finished)] a late line\n" * 100)  # under the idle allowance
+        assert sandbox.alive and not died
+        sandbox.stderr_data(b"y" * 8192)
+        assert not sandbox.alive and died == [True]
+        assert "calls.idle_output_bytes" in (sandbox.channel.closed.message if sandbox.channel.closed else "")
+        sandbox.stderr_data(b"z" * 8192)
+        assert died == [True]  # told once
+
+    asyncio.run(main())
+
+
+def test_output_past_the_burst_pauses_reading_until_the_bucket_refills() -> None:
+    async def main() -> None:
+        sandbox = RecordingSandbox()
+        limits = OutputLimits(output_rate_bytes=100_000, output_burst_bytes=10_000, idle_output_bytes=1 << 20)
+        sandbox.start_call(limits)
+        sandbox.stderr_data(b"x" * 10_000)
+        assert sandbox.reading == []  # the burst
+        sandbox.stderr_data(b"x" * 5_000)  # 5,000 in debt: 50 ms at 100,000/s
+        assert sandbox.reading == [(True, False)]
+        started = time.monotonic()
+        while sandbox.reading[-1] != (True, True):
+            await asyncio.sleep(0.005)
+        assert time.monotonic() - started >= 0.03
+        assert sandbox.alive
+
+    asyncio.run(main())
+
+
+def test_the_clients_pause_stops_the_protocol_stream_only() -> None:
+    async def main() -> None:
+        sandbox = RecordingSandbox()
+        sandbox.start_call(BIG)
+        sandbox.pause_reading()
+        sandbox.resume_reading()
+        assert sandbox.reading == [(False, True), (True, True)]
+
+    asyncio.run(main())
+
+
+def test_tool_output_is_logged_masked_with_every_call_secret(tmp_path: Any) -> None:
+    async def main() -> str:
+        stream = io.StringIO()
+        configure_logging("debug", "json", stream)
+        sandbox = RecordingSandbox()
+        with secret_values(["tok-first-call"]):
+            future = sandbox.start_call(BIG)
+        sandbox.stderr_data(b"[c1] my token is tok-first-call\n")  # arrives outside the call's context
+        sandbox.answer()
+        await future
+        with secret_values(["tok-second-call"]):
+            sandbox.call(CallRequest("c2", "/officer/tools/x/index.ts", {}, output_limits=BIG), lambda _c: None)
+        sandbox.stderr_data(b"[c1 (finished)] a timer: tok-first-call, tok-second-call\n")
+        return stream.getvalue()
+
+    logged = asyncio.run(main())
+    configure_logging("info", "json", io.StringIO())
+    assert "tok-first-call" not in logged and "tok-second-call" not in logged
+    assert logged.count("***") == 3, logged
