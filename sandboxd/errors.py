@@ -41,6 +41,10 @@ class BackendUnavailable(SandboxdError):
     code = -32002
 
 
+class UnsafeMount(BackendUnavailable):
+    """A path sandboxd would mount into a sandbox is a link or not what it should be; the sandbox is not started."""
+
+
 class SandboxFailed(SandboxdError):
     """A sandbox died or broke the shim protocol; the call is answered as ``crashed``."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import signal
 import socket
 import time
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxd import __version__
-from sandboxd.config import Config, flatten, needs_restart
-from sandboxd.errors import ConfigError, ShuttingDown
+from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, flatten, needs_restart
+from sandboxd.errors import ConfigError, InvalidParams, ShuttingDown
 from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallRunner
 from sandboxd.server.connection import Connection
@@ -27,7 +29,7 @@ from sandboxd.service.peercred import PeerPolicy
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
 from sandboxd.unixsocket import bind_unix_socket
-from sandboxd.users import global_tools_dir, user_dir, user_tools_dir
+from sandboxd.users import check_user, global_tools_dir, user_dir, user_tools_dir
 
 log = get_logger("sandboxd.server")
 
@@ -80,13 +82,13 @@ class Server:
 
     def spec_for(self, user: str) -> SandboxSpec:
         data = self.config.data_path
-        email_db = Path(self.config.sandbox.email_db.format(data_path=data, user=user))
         return SandboxSpec(
             user=user,
             tools_dir=global_tools_dir(data),
             user_dir=user_dir(data, user),
             user_tools_dir=user_tools_dir(data, user),
-            email_db=email_db,
+            email_db=email_db_path(self.config, user),
+            root=data,
         )
 
     # -- startup ---------------------------------------------------------------
@@ -98,6 +100,7 @@ class Server:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self._remove_orphans()
+        await asyncio.to_thread(self._migrate_email_dbs)
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
         self._owns_socket_file = listen_socket is None
@@ -115,6 +118,28 @@ class Server:
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
                                "filesystem; for development only, never for untrusted tools")
+
+    def _migrate_email_dbs(self) -> None:
+        """Move each DATA_PATH/<user>/emails.db (the old default, which sandboxes can write) to sandbox.email_db, once."""
+        data = self.config.data_path
+        try:
+            names = os.listdir(data)
+        except OSError:
+            return
+        for name in names:
+            try:
+                if check_user(name) != name:
+                    continue  # not a folder sandboxd makes for a user
+            except InvalidParams:
+                continue
+            legacy = Path(LEGACY_EMAIL_DB.format(data_path=data, user=name))
+            try:
+                action = migrate_email_db(legacy, email_db_path(self.config, name))
+            except OSError as exc:
+                log.warning("email_db_migration_failed", user=name, error=str(exc))
+                continue
+            if action is not None:
+                log.info("email_db_migrated", user=name, action=action)
 
     def _bind_socket(self) -> socket.socket:
         return bind_unix_socket(

@@ -148,7 +148,8 @@ def test_spec_with_a_user_uses_their_data_but_not_their_tools(tmp_path: Path) ->
     spec = dev_spec(config, tool_dir, tmp_path / "scratch", "a@example.com", mount_tool=False)
     assert spec.user == "a@example.com" and spec.user_dir == tmp_path / "data" / "a@example.com"
     assert spec.user_tools_dir == tmp_path / "scratch" / "tools" and spec.read_only_mounts == ()
-    assert spec.email_db == tmp_path / "data" / "a@example.com" / "emails.db"
+    assert spec.email_db == tmp_path / "data" / "email" / "a@example.com" / "emails.db"
+    assert spec.root == tmp_path / "data"
     assert not (tmp_path / "scratch" / "tools" / "weather").exists()
 
 

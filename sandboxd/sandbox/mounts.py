@@ -1,0 +1,278 @@
+"""Bind-mount sources that no sandbox can redirect, and the sandbox uid's access to them.
+
+Docker resolves a bind source by its path, following symbolic links, when the container
+is created and again when it starts. Whatever a sandbox can write, it can turn into a
+link: a user's tool that replaces ``/officer/user/emails.db`` by a link to another
+user's database would get that database mounted into its next sandbox. So:
+
+- no source lies in a tree a sandbox can write, except the user's ``tools`` folder,
+  which is itself a mount point in every sandbox of that user (rename and unlink of a
+  mount point fail with EBUSY there), so no running sandbox can swap it;
+- each source is opened component by component below a trusted root (the data path,
+  or the folder the operator put a file in) with ``O_NOFOLLOW``, so a link anywhere on
+  the way is refused, and the type is checked on the opened handle;
+- the sandbox's uid gets access through POSIX ACLs set on those handles, so the daemon
+  never runs ``chown`` or ``chmod`` on a path a sandbox could have redirected.
+
+A handle cannot be given to Docker itself: runc mounts inside the container's new mount
+namespace, where a ``/proc/PID/fd/N`` of ours names a mount it cannot see (EINVAL).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from sandboxd.errors import BackendUnavailable, UnsafeMount
+from sandboxd.sandbox.backend import CONTAINER_EMAIL_DB, CONTAINER_TOOLS, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
+
+Kind = Literal["dir", "file"]
+
+# POSIX ACL xattr format (linux/posix_acl_xattr.h): a version, then (tag, perm, id) entries
+# sorted by tag, then by id.
+_ACL_VERSION = 2
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_UNDEFINED_ID = 0xFFFFFFFF
+ACCESS_ACL, DEFAULT_ACL = "system.posix_acl_access", "system.posix_acl_default"
+R, W, X = 4, 2, 1
+
+
+def _split(root: Path, path: Path) -> tuple[Path, list[str]]:
+    """The trusted root to walk from, and the components below it.
+
+    ``root`` (the data path) when ``path`` lies inside it, else the path's own folder:
+    a file the operator put elsewhere is trusted up to its folder, never the last step.
+    """
+    try:
+        parts = path.relative_to(root).parts
+        base = root
+    except ValueError:
+        base, parts = path.parent, (path.name,)
+    if not parts or any(part in ("", ".", "..") for part in parts):
+        raise UnsafeMount(f"{path} is not a path below {base}; sandboxd mounts only paths below their root.")
+    return base, list(parts)
+
+
+def open_beneath(root: Path, path: Path, kind: Kind, *, flags: int = os.O_PATH,
+                 create_mode: int | None = None) -> tuple[int, str]:
+    """Open ``path`` without following a link on the way from ``root``; (fd, the path as checked).
+
+    Raises UnsafeMount when a component is a link or not a folder, or the last one is
+    not of ``kind``; FileNotFoundError when something is missing, unless ``create_mode``
+    (folders only) says to make the missing folders, with that mode.
+    """
+    base, parts = _split(root, path)
+    real_base = os.path.realpath(base)  # the operator's own links above the root are theirs to make
+    if create_mode is not None:
+        os.makedirs(real_base, exist_ok=True)
+    fd = os.open(real_base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            step = (flags if last else os.O_PATH) | os.O_NOFOLLOW | os.O_CLOEXEC
+            if last and kind == "file":
+                step |= os.O_NONBLOCK  # a FIFO must not block the open (it is refused below)
+            try:
+                try:
+                    next_fd = os.open(part, step, dir_fd=fd)
+                except FileNotFoundError:
+                    if create_mode is None or (last and kind != "dir"):
+                        raise
+                    try:
+                        os.mkdir(part, create_mode, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # made meanwhile by another start: opened (and checked) below
+                    next_fd = os.open(part, step, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (20, 40):  # ENOTDIR, ELOOP: a link (O_NOFOLLOW) or a file on the way
+                    raise _unsafe(path, f"{part} is a symbolic link or not a folder") from None
+                raise
+            os.close(fd)
+            fd = next_fd
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode):
+                raise _unsafe(path, f"{part} is a symbolic link")
+            wanted_dir = not last or kind == "dir"
+            if wanted_dir and not stat.S_ISDIR(mode):
+                raise _unsafe(path, f"{part} is not a folder")
+            if not wanted_dir and not stat.S_ISREG(mode):
+                raise _unsafe(path, f"{part} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, os.path.join(real_base, *parts)
+
+
+def _unsafe(path: Path, why: str) -> UnsafeMount:
+    return UnsafeMount(
+        f"sandboxd refuses to mount {path}: {why}. A sandbox could point such a path at another user's files; "
+        "replace it with a real folder or file (the sandbox was not started).",
+        data={"path": str(path)},
+    )
+
+
+def grant_access(fd: int, uid: int, perms: int, *, inherit: bool) -> None:
+    """Give ``uid`` ``perms`` on the open file ``fd`` through its ACL (and, with ``inherit``, on what is created in it).
+
+    The owner, group and other entries keep what the mode says, so nobody else gains
+    anything. Only the owner (or root) may set an ACL, which is why this runs on the
+    daemon's own folders. The default ACL also keeps the folder's owner able to manage
+    what the sandbox creates in it.
+    """
+    info = os.fstat(fd)
+    mode = info.st_mode
+    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+    if info.st_uid == uid and owner & perms == perms:
+        return
+    wanted = [(ACCESS_ACL, _acl(owner, {uid: perms}, group, other))]
+    if inherit:
+        wanted.append((DEFAULT_ACL, _acl(7, {uid: perms, info.st_uid: 7}, group, other)))
+    for name, acl in wanted:
+        if _get_acl(fd, name) == acl:
+            continue
+        try:
+            os.setxattr(fd, name, acl)
+        except OSError as exc:
+            if other & perms == perms and name == ACCESS_ACL:
+                continue  # everyone may already do what the sandbox needs
+            raise BackendUnavailable(
+                f"the sandbox uid {uid} needs {_perm_text(perms)} access to {os.readlink(f'/proc/self/fd/{fd}')}, "
+                f"and sandboxd could not grant it with an ACL ({exc.strerror}). Use a filesystem with POSIX ACLs "
+                "for the data path, or give that uid access yourself (docs/install.md, 'The sandbox uid')."
+            ) from None
+
+
+def _perm_text(perms: int) -> str:
+    return "".join(flag if perms & bit else "-" for flag, bit in (("r", R), ("w", W), ("x", X)))
+
+
+def _acl(owner: int, users: dict[int, int], group: int, other: int) -> bytes:
+    mask = group
+    for perms in users.values():
+        mask |= perms
+    entries = [(_USER_OBJ, owner, _UNDEFINED_ID)]
+    entries += [(_USER, users[uid], uid) for uid in sorted(users)]
+    entries += [(_GROUP_OBJ, group, _UNDEFINED_ID), (_MASK, mask, _UNDEFINED_ID), (_OTHER, other, _UNDEFINED_ID)]
+    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def _get_acl(fd: int, name: str) -> bytes | None:
+    try:
+        return os.getxattr(fd, name)
+    except OSError:
+        return None
+
+
+def acl_users(path: Path, name: str = ACCESS_ACL) -> dict[int, int]:
+    """uid → perms of the named-user entries of a file's ACL (for tests and diagnostics)."""
+    try:
+        data = os.getxattr(path, name, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for offset in range(4, len(data), 8):
+        tag, perms, ident = struct.unpack_from("<HHI", data, offset)
+        if tag == _USER:
+            out[ident] = perms
+    return out
+
+
+@dataclass(frozen=True)
+class Bind:
+    target: str  # the path inside the sandbox
+    source: str  # the checked host path
+    read_only: bool
+
+
+def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
+    """The checked bind mounts of one sandbox, with ``uid`` given access to each; and warnings.
+
+    The folders are made when missing (the user's data folder 0700: only the daemon and,
+    through the ACL, the sandbox uid get in). The email database is mounted only when it
+    exists; one that the sandbox uid cannot be given access to is still mounted (the tool
+    then says so), with a warning.
+    """
+    root = spec.root
+    binds = [
+        Bind(CONTAINER_TOOLS, _dir(root, spec.tools_dir, uid, R | X, 0o755), True),
+        Bind(CONTAINER_USER, _dir(root, spec.user_dir, uid, R | W | X, 0o700), False),
+        Bind(CONTAINER_USER_TOOLS, _dir(root, spec.user_tools_dir, uid, R | X, 0o755), True),
+    ]
+    warnings = []
+    if spec.email_db is not None:
+        try:
+            fd, checked = open_beneath(root or spec.email_db.parent, spec.email_db, "file", flags=os.O_RDONLY)
+        except FileNotFoundError:
+            pass  # no database (yet): nothing at /officer/data/emails.db
+        else:
+            try:
+                grant_access(fd, uid, R | W, inherit=False)
+            except BackendUnavailable as exc:
+                warnings.append(exc.message)
+            finally:
+                os.close(fd)
+            binds.append(Bind(CONTAINER_EMAIL_DB, checked, False))
+    return binds, warnings
+
+
+def _dir(root: Path | None, path: Path, uid: int, perms: int, mode: int) -> str:
+    fd, checked = open_beneath(root or path.parent, path, "dir", flags=os.O_RDONLY | os.O_DIRECTORY,
+                               create_mode=mode)
+    try:
+        grant_access(fd, uid, perms, inherit=True)
+    finally:
+        os.close(fd)
+    return checked
+
+
+# SQLite's companions of a database: moved with it, or the move could lose what they hold.
+_SQLITE_SIDECARS = ("", "-wal", "-shm", "-journal")
+
+
+def migrate_email_db(legacy: Path, target: Path) -> str | None:
+    """Move a database from its old place in the user's data folder to ``target``, once.
+
+    Only a regular file moves, never through a link (a sandbox could have planted one);
+    nothing happens when ``target`` exists. Returns what was done, for the log, or None.
+    """
+    try:
+        info = os.lstat(legacy)
+    except FileNotFoundError:
+        return None
+    if os.path.lexists(target):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return f"left {legacy} in place: it is not a regular file (a link a sandbox may have made); not mounted"
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for suffix in _SQLITE_SIDECARS:
+        source, dest = Path(f"{legacy}{suffix}"), Path(f"{target}{suffix}")
+        if suffix and not (os.path.lexists(source) and stat.S_ISREG(os.lstat(source).st_mode)):
+            continue
+        try:
+            os.rename(source, dest)  # rename(2) moves a link itself, never its target
+        except OSError as exc:
+            if exc.errno != 18:  # EXDEV: another filesystem, copied below
+                raise
+            _copy_no_follow(source, dest)
+            os.unlink(source)
+    return f"moved {legacy} to {target}"
+
+
+def _copy_no_follow(source: Path, dest: Path) -> None:
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeMount(f"{source} is not a regular file; it was not moved.")
+        partial = dest.with_name(dest.name + ".partial")
+        with open(fd, "rb", closefd=False) as src, open(partial, "xb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, dest)
+    finally:
+        os.close(fd)

@@ -1,0 +1,121 @@
+"""No mount source comes from a tree a sandbox can write (issue 11, item 1), and tools run as nobody (item 4).
+
+The attack: a user's tool turns `/officer/user/emails.db` into a link to another user's
+database and crashes; the pool replaces its sandbox, and the daemon, following the link,
+mounts the victim's mail into the attacker's next sandbox. Real daemon, real Docker.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.client import RpcError
+from sandboxd.config import AUTO_SANDBOX_ID
+
+from tests.e2e.conftest import Daemon
+from tests.e2e.hostile_harness import call, install_hostile_tools
+
+pytestmark = pytest.mark.docker
+
+ALICE, MALLORY = "alice@example.com", "mallory@example.com"
+SECRET = "alice-private-mail-7f3a"
+
+
+def started(make_daemon: Any) -> Daemon:
+    daemon = make_daemon(start=False)
+    install_hostile_tools(daemon)
+    return daemon
+
+
+def make_mail(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as db:
+        db.execute("create table m (s text)")
+        db.execute("insert into m values (?)", (text,))
+    return path
+
+
+def mail_seen_by(daemon: Daemon, user: str) -> str:
+    with daemon.client() as client:
+        report = call(client, user, "fs_probe", {"read": "/officer/data/emails.db"})["details"]
+    return report["read /officer/data/emails.db"]
+
+
+def test_a_link_planted_in_the_user_folder_never_reaches_another_users_mail(make_daemon: Any) -> None:
+    daemon = started(make_daemon)
+    make_mail(daemon.data / "email" / ALICE / "emails.db", SECRET)
+    daemon.start()
+    assert SECRET in mail_seen_by(daemon, ALICE)
+    with daemon.client() as client:
+        crashed = call(client, MALLORY, "link_planter", {"victim": ALICE, "crash": True})
+        assert crashed["status"] == "crashed", crashed
+        # The replaced sandbox: the links are there, and the tools mount cannot be swapped.
+        report = call(client, MALLORY, "link_planter", {"victim": ALICE})["details"]
+    assert report["rename tools"] == "EBUSY" and report["rmdir tools"] == "EBUSY", report
+    assert report["replace tools"] == "EEXIST", report
+    assert os.path.islink(daemon.data / MALLORY / "emails.db")
+    seen = mail_seen_by(daemon, MALLORY)
+    assert seen == "ENOENT" and SECRET not in seen
+
+
+def test_a_legacy_database_is_moved_at_start_and_a_planted_legacy_link_is_never_followed(make_daemon: Any) -> None:
+    # Before the move: alice's database in her data folder, as the old default had it.
+    daemon = started(make_daemon)
+    make_mail(daemon.data / ALICE / "emails.db", SECRET)
+    daemon.start()
+    assert not (daemon.data / ALICE / "emails.db").exists()
+    assert (daemon.data / "email" / ALICE / "emails.db").is_file()
+    assert '"event": "email_db_migrated"' in daemon.log_path.read_text()
+    assert SECRET in mail_seen_by(daemon, ALICE)
+    with daemon.client() as client:
+        assert call(client, MALLORY, "link_planter", {"victim": ALICE, "crash": True})["status"] == "crashed"
+    assert SECRET not in mail_seen_by(daemon, MALLORY)
+    # A restart's migration pass leaves the planted link where it is, unfollowed.
+    daemon.stop()
+    daemon.start()
+    assert os.path.islink(daemon.data / MALLORY / "emails.db")
+    assert not os.path.lexists(daemon.data / "email" / MALLORY / "emails.db")
+    assert mail_seen_by(daemon, MALLORY) == "ENOENT"
+    assert SECRET in mail_seen_by(daemon, ALICE)
+
+
+def test_a_user_tools_folder_that_is_a_link_is_refused_by_name(make_daemon: Any) -> None:
+    daemon = started(make_daemon)
+    (daemon.data / ALICE / "tools").mkdir(parents=True)
+    (daemon.data / MALLORY).mkdir()
+    (daemon.data / MALLORY / "tools").symlink_to(daemon.data / ALICE / "tools")
+    daemon.start()
+    with daemon.client() as client:
+        with pytest.raises(RpcError) as info:
+            call(client, MALLORY, "hello", {"name": "x"})
+        assert call(client, ALICE, "hello", {"name": "alice"})["status"] == "ok"
+    assert info.value.code == -32002
+    assert "tools is a symbolic link" in info.value.message and "refuses to mount" in info.value.message
+
+
+def test_tools_run_as_a_uid_that_is_nobody_on_the_host(make_daemon: Any, docker_api: Any) -> None:
+    daemon = started(make_daemon)
+    daemon.start()
+    with daemon.client() as client:
+        report = call(client, MALLORY, "escalator")["details"]
+        wrote = call(client, MALLORY, "fs_probe", {"write": "/officer/user/made.txt"})["details"]
+    assert report["uid"] == str(AUTO_SANDBOX_ID)
+    assert wrote["write /officer/user/made.txt"] == "ok"
+    made = (daemon.data / MALLORY / "made.txt").stat()
+    assert (made.st_uid, made.st_gid) == (AUTO_SANDBOX_ID, AUTO_SANDBOX_ID)
+    with pytest.raises(KeyError):
+        pwd.getpwuid(AUTO_SANDBOX_ID)  # no account: a file it owns gives nobody on the host anything
+    assert AUTO_SANDBOX_ID not in (0, 1000, os.geteuid())
+    # The containers the daemon made say so too.
+    containers = daemon.containers(docker_api, **{"org.sandboxd.user": MALLORY})
+    assert containers
+    for container in containers:
+        assert docker_api.api.inspect_container(container["Id"])["Config"]["User"] == f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
+    # Only the daemon and the sandbox uid may enter the user's folder.
+    assert (daemon.data / MALLORY).stat().st_mode & 0o007 == 0
