@@ -279,3 +279,72 @@ def test_shutdown_refuses_new_calls(tmp_path: Path) -> None:
         assert not cfg.socket.exists()
 
     asyncio.run(main())
+
+
+def flooding_handler(updates: int, size: int) -> Callable[..., Any]:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        for _ in range(updates):
+            on_progress([{"type": "text", "text": "p" * size}])
+            await asyncio.sleep(0)
+        return {"status": "ok", "content": [], "isError": False}
+    return handler
+
+
+def test_progress_past_the_count_cap_crashes_the_call_and_replaces_the_sandbox(tmp_path: Path) -> None:
+    @serving(tmp_path, flooding_handler(10, 1), calls={"max_progress_updates": 3}, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        messages = [await conn.read() for _ in range(4)]
+        assert [m.get("method") for m in messages[:3]] == ["notifications/progress"] * 3
+        result = messages[3]["result"]
+        assert result["status"] == "crashed" and "calls.max_progress_updates" in result["content"][0]["text"]
+        await asyncio.sleep(0.01)
+        assert len(h.backend.destroyed) == 1
+
+
+def test_progress_past_the_byte_cap_crashes_the_call(tmp_path: Path) -> None:
+    @serving(tmp_path, flooding_handler(5, 800), calls={"max_progress_bytes": 2048}, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
+        assert reply["result"]["status"] == "crashed"
+        assert "calls.max_progress_bytes" in reply["result"]["content"][0]["text"]
+
+
+def test_a_client_that_stops_reading_pauses_its_calls_sandboxes(tmp_path: Path) -> None:
+    async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        await gates[0].wait()
+        on_progress([{"type": "text", "text": "first"}])
+        await gates[1].wait()
+        on_progress([{"type": "text", "text": "second"}])
+        return {"status": "ok", "content": [], "isError": False}
+
+    gates: list[asyncio.Event] = []
+
+    @serving(tmp_path, handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        gates[:] = [asyncio.Event(), asyncio.Event()]
+        conn = await h.connect()
+        await conn.request("ping")
+        (connection,) = h.server.connections
+        conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        while 1 not in connection.calls:
+            await asyncio.sleep(0.001)
+        connection.pause_writing()  # as asyncio does past the write buffer's high-water mark
+        gates[0].set()  # the call gets its sandbox while paused: paused at its first progress
+        assert (await conn.read())["method"] == "notifications/progress"
+        sandbox = connection.calls[1].sandbox
+        assert sandbox.reading_paused
+        connection.resume_writing()
+        assert not sandbox.reading_paused
+        connection.pause_writing()  # a running call's sandbox is paused at once
+        assert sandbox.reading_paused
+        gates[1].set()
+        assert (await conn.read())["method"] == "notifications/progress"
+        assert (await conn.read())["result"]["status"] == "ok"
+        # The call ended while its client was paused: the sandbox goes back to the pool reading.
+        assert not sandbox.reading_paused
+        connection.resume_writing()
