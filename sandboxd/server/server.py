@@ -101,6 +101,7 @@ class Server:
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self._remove_orphans()
         await asyncio.to_thread(self._migrate_email_dbs)
+        self._check_data_path_mount()
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
         self._owns_socket_file = listen_socket is None
@@ -118,6 +119,22 @@ class Server:
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
                                "filesystem; for development only, never for untrusted tools")
+
+    def _check_data_path_mount(self) -> None:
+        """Say so when the data path allows setuid files and device nodes.
+
+        Sandboxes can write DATA_PATH/<user>, and Docker cannot mount a bind nosuid,nodev:
+        its mount in the sandbox has the flags of the filesystem it lies on. Inside, no new
+        privileges and no capabilities make a setuid file or a device node inert anyway; on
+        the host, a setuid file a tool leaves is its uid's, which has no account. A data path
+        on a nosuid,nodev mount (docs/install.md) makes both inert everywhere.
+        """
+        path = self.config.data_path
+        flags = os.statvfs(path).f_flag
+        missing = [name for name, bit in (("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV)) if not flags & bit]
+        if missing:
+            log.warning("data_path_allows_setuid", data_path=str(path), missing=missing,
+                        hint="mount the data path nosuid,nodev (docs/install.md, 'The sandbox uid')")
 
     def _migrate_email_dbs(self) -> None:
         """Move each DATA_PATH/<user>/emails.db (the old default, which sandboxes can write) to sandbox.email_db, once."""

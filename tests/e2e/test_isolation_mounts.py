@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +121,43 @@ def test_tools_run_as_a_uid_that_is_nobody_on_the_host(make_daemon: Any, docker_
         assert docker_api.api.inspect_container(container["Id"])["Config"]["User"] == f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
     # Only the daemon and the sandbox uid may enter the user's folder.
     assert (daemon.data / MALLORY).stat().st_mode & 0o007 == 0
+
+
+def mount_options(mountinfo: str, target: str) -> set[str]:
+    """The per-mount options of ``target`` in a /proc/self/mountinfo text."""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[4] == target:
+            return set(fields[5].split(","))
+    raise AssertionError(f"{target} is not mounted:\n{mountinfo}")
+
+
+def test_on_a_nosuid_nodev_data_path_the_writable_mounts_are_too(make_daemon: Any) -> None:
+    daemon = started(make_daemon)
+    tools = {p.name: p for p in (daemon.data / "tools").iterdir()}
+    staged = daemon.tmp / "staged-tools"
+    shutil.copytree(daemon.data / "tools", staged)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,size=64m", "tmpfs", str(daemon.data)],
+                           capture_output=True, text=True)
+    assert mount.returncode == 0, f"the e2e suite runs as root (CI does): {mount.stderr}"
+    try:
+        shutil.copytree(staged, daemon.data / "tools")
+        assert set(p.name for p in (daemon.data / "tools").iterdir()) == set(tools)
+        make_mail(daemon.data / "email" / MALLORY / "emails.db", "mallory's own mail")
+        daemon.start()
+        with daemon.client() as client:
+            report = call(client, MALLORY, "fs_probe", {"read": "/proc/self/mountinfo"})["details"]
+        mountinfo = report["read /proc/self/mountinfo"].removeprefix("ok:")
+        for target in ("/officer/user", "/officer/data/emails.db"):
+            assert {"nosuid", "nodev"} <= mount_options(mountinfo, target), target
+        assert '"event": "data_path_allows_setuid"' not in daemon.log_path.read_text()
+    finally:
+        daemon.stop()
+        subprocess.run(["umount", "-l", str(daemon.data)], check=False)
+
+
+def test_a_data_path_that_allows_setuid_files_is_named_at_start(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    flags = os.statvfs(daemon.data).f_flag
+    warned = '"event": "data_path_allows_setuid"' in daemon.log_path.read_text()
+    assert warned == (not (flags & os.ST_NOSUID and flags & os.ST_NODEV))
