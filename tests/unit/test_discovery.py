@@ -422,3 +422,198 @@ def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_co
     manifest.write_text(manifest.read_text().replace("name: b", "name: a"))
     monkeypatch.setattr(discovery, "_FULL_CHECK_INTERVAL_S", 0.0)
     assert catalog.get("a", USER).dir.name == "b"
+
+
+# --- a hostile user tools root ----------------------------------------------------------------
+
+
+def test_a_user_tools_root_that_is_a_symlink_is_refused_with_the_fix(data: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    write_tool(elsewhere, "stolen")
+    (data / USER).mkdir(parents=True)
+    user_root(data).symlink_to(elsewhere)
+    tools, skipped = ToolCatalog(data).scan(USER)
+    assert tools == []
+    assert [(entry.dir, entry.source) for entry in skipped] == [(user_root(data), "user")]
+    problem = skipped[0].problems[0]
+    assert "symbolic link" in problem.message and f"rm {user_root(data)} && mkdir {user_root(data)}" in problem.fix
+
+
+def test_a_user_tools_root_linked_to_another_users_tools_is_refused(data: Path) -> None:
+    write_tool(user_root(data, "bob@example.com"), "bobs")
+    (data / USER).mkdir(parents=True)
+    user_root(data).symlink_to(user_root(data, "bob@example.com"))
+    assert ToolCatalog(data).list(USER) == []
+
+
+def test_a_user_tools_root_that_is_a_file_is_refused(data: Path) -> None:
+    (data / USER).mkdir(parents=True)
+    user_root(data).write_text("")
+    tools, skipped = ToolCatalog(data).scan(USER)
+    assert tools == [] and "not a directory" in skipped[0].problems[0].message
+
+
+def test_a_user_root_swapped_for_a_link_after_the_check_is_still_not_followed(data: Path, tmp_path: Path) -> None:
+    # inspect_tool_dir is what runs after the root check: files must resolve within the
+    # root's own path, not within wherever a link swapped in meanwhile points.
+    elsewhere = tmp_path / "elsewhere"
+    write_tool(elsewhere, "stolen")
+    (data / USER).mkdir(parents=True)
+    user_root(data).symlink_to(elsewhere)
+    tool, problems = discovery.inspect_tool_dir(user_root(data) / "stolen", user_root(data), "user")
+    assert tool is None and "outside the tools directory" in problems[0].message
+
+
+# --- bounds on a scan ---------------------------------------------------------------------------
+
+
+def test_entries_past_the_limit_are_skipped_with_a_problem(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "MAX_ENTRIES_PER_ROOT", 3)
+    for dirname in ("a", "b", "c", "d", "e"):
+        write_tool(user_root(data), dirname)
+    tools, skipped = ToolCatalog(data).scan(USER)
+    assert names(tools) == ["a", "b", "c"]
+    assert skipped[0].dir == user_root(data) and "holds 5 entries; only the first 3" in skipped[0].problems[0].message
+    assert "d, e are skipped" in skipped[0].problems[0].message
+
+
+def test_manifests_past_the_root_byte_budget_are_skipped(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tool(user_root(data), "a")
+    size = (user_root(data) / "a" / "TOOL.md").stat().st_size
+    monkeypatch.setattr(discovery, "MAX_ROOT_MANIFEST_BYTES", size * 2)
+    for dirname in ("b", "c", "d"):
+        write_tool(user_root(data), dirname)
+    tools, skipped = ToolCatalog(data).scan(USER)
+    assert names(tools) == ["a", "b"]
+    assert skipped_dirs(skipped) == ["c", "d"] and "add up to more than" in skipped[0].problems[0].message
+
+
+def test_a_scan_past_its_time_limit_skips_the_rest_and_tries_again(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    write_tool(user_root(data), "a")
+    catalog = ToolCatalog(data)
+    monkeypatch.setattr(discovery, "ROOT_SCAN_TIME_LIMIT_S", -1.0)
+    tools, skipped = catalog.scan(USER)
+    assert tools == [] and "took longer than" in skipped[0].problems[0].message
+    monkeypatch.setattr(discovery, "ROOT_SCAN_TIME_LIMIT_S", 5.0)
+    assert names(catalog.list(USER)) == ["a"]  # an incomplete scan is never trusted as it is
+
+
+def test_a_tools_list_answer_is_bounded_and_says_what_it_left_out(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for dirname in ("a", "b", "c"):
+        write_tool(global_root(data), dirname)
+    one = ToolCatalog(data).list()[0].protocol_bytes
+    monkeypatch.setattr(discovery, "MAX_LIST_BYTES", one * 2 + 1)
+    tools, skipped = ToolCatalog(data).scan()
+    assert names(tools) == ["a", "b"]
+    assert skipped_dirs(skipped) == ["c"] and "left out of tools/list" in skipped[0].problems[0].message
+
+
+# --- off the event loop -----------------------------------------------------------------------
+
+
+def test_lookup_never_scans_and_refresh_scans_in_a_worker(data: Path, parse_count: list[Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import threading
+    import time
+
+    write_tool(global_root(data), "a")
+    catalog = ToolCatalog(data)
+    threads: list[str] = []
+    real = discovery.inspect_tool_dir
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(discovery, "inspect_tool_dir", recording)
+
+    async def main() -> None:
+        arrived = time.monotonic()
+        with pytest.raises(discovery.ScanNeeded):
+            catalog.lookup("a", USER, since=arrived)
+        assert parse_count == []
+        await catalog.refresh(USER, since=arrived)
+        assert catalog.lookup("a", USER, since=arrived).name == "a"
+        assert names(await catalog.list_async(USER)) == ["a"]
+
+    asyncio.run(main())
+    catalog.close()
+    assert threads and all(name.startswith("sandboxd-scan") for name in threads), threads
+
+
+def test_concurrent_listings_of_one_root_share_one_scan(data: Path, scan_count: list[Path]) -> None:
+    import asyncio
+
+    write_tool(user_root(data), "a")
+    catalog = ToolCatalog(data)
+
+    async def main() -> list[list[Tool]]:
+        return await asyncio.gather(*(catalog.list_async(USER) for _ in range(20)))
+
+    results = asyncio.run(main())
+    catalog.close()
+    assert all(names(result) == ["a"] for result in results)
+    assert scan_count == [user_root(data) / "a"]
+
+
+def test_a_slow_root_does_not_hold_up_another_users_scan(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    write_tool(user_root(data, "mallory@example.com"), "slow")
+    write_tool(user_root(data), "quick")
+    release = threading.Event()
+    entered = threading.Event()
+    real = discovery._parse
+
+    def parse(manifest_path: Path, root: Path):  # type: ignore[no-untyped-def]
+        if "mallory" in str(manifest_path):
+            entered.set()
+            release.wait(10)
+        return real(manifest_path, root)
+
+    monkeypatch.setattr(discovery, "_parse", parse)
+    catalog = ToolCatalog(data)
+    catalog.list()  # the global root, scanned once before the race
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(catalog.list, "mallory@example.com")
+        assert entered.wait(5)
+        quick = pool.submit(catalog.list, USER)
+        try:
+            assert names(quick.result(timeout=5)) == ["quick"]  # one lock for all roots would wait for mallory
+        finally:
+            release.set()
+        assert names(slow.result(timeout=10)) == ["slow"]
+
+
+def test_many_listings_of_a_slow_root_take_one_worker_not_all(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import threading
+
+    write_tool(user_root(data, "mallory@example.com"), "slow")
+    write_tool(user_root(data), "quick")
+    release = threading.Event()
+    real = discovery._parse
+
+    def parse(manifest_path: Path, root: Path):  # type: ignore[no-untyped-def]
+        if "mallory" in str(manifest_path):
+            release.wait(10)
+        return real(manifest_path, root)
+
+    monkeypatch.setattr(discovery, "_parse", parse)
+    catalog = ToolCatalog(data)
+    catalog.list()
+
+    async def main() -> None:
+        slow = [asyncio.ensure_future(catalog.list_async("mallory@example.com")) for _ in range(10)]
+        await asyncio.sleep(0.1)
+        try:
+            # Ten waiting requests for mallory's root must not fill the worker pool.
+            assert names(await asyncio.wait_for(catalog.list_async(USER), 5)) == ["quick"]
+        finally:
+            release.set()
+        assert all(names(result) == ["slow"] for result in await asyncio.gather(*slow))
+
+    asyncio.run(main())
+    catalog.close()
