@@ -35,6 +35,9 @@ sandbox:
 calls:
   cancel_grace_ms: 500
   default_timeout_ms: 20000
+  # Tool output at 4 MiB/s after a 1 MiB burst: a flood is slowed down measurably, in seconds.
+  output_rate_bytes: 4194304
+  output_burst_bytes: 1048576
 pool:
   max_per_user: 2
   min_idle: 1

@@ -182,16 +182,26 @@ def test_filling_the_user_directory_is_enospc_for_that_user_only(hostile: Daemon
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
-def test_a_100_mb_output_flood_completes_with_bounded_daemon_memory(hostile: Daemon, docker_api: Any, attacker: str, stream: str) -> None:
-    # Decision (docs/security.md): tool output is read and dropped but for a 20-line tail,
-    # so the call completes within its deadline and the daemon's memory does not grow with it.
+def test_an_output_flood_is_throttled_with_bounded_daemon_memory(hostile: Daemon, docker_api: Any, attacker: str, stream: str) -> None:
+    # Decision (docs/security.md): tool output is read and dropped but for a 20-line tail, at
+    # calls.output_rate_bytes (4 MiB/s here, after a 1 MiB burst): past it sandboxd stops reading
+    # and the tool blocks on its full pipe. 24 MiB then take at least (24 - 1 - what the pipes
+    # hold, a few MiB at most) / 4 s: far above 3 s; unthrottled they take a fraction of a second.
     before = daemon_rss_kb(hostile)
-    flood = Background(hostile, attacker, "output_flood", {"stream": stream, "mb": 100}, timeoutMs=60000)
+    log_from = hostile.log_path.stat().st_size
+    flood = Background(hostile, attacker, "output_flood", {"stream": stream, "mb": 24}, timeoutMs=60000)
     assert_bystanders_served(hostile)
     result = flood.join()
-    assert result["status"] == "ok" and text_of(result) == f"printed 100 MiB to {stream}"
+    assert result["status"] == "ok" and text_of(result) == f"printed 24 MiB to {stream}", result
+    assert result["details"]["writeMs"] >= 3000, f"the tool was not slowed down: {result['details']}"
     assert daemon_rss_kb(hostile) - before < 48 * 1024, "the daemon's memory grew with the tool's output"
-    assert_pool_recovers(hostile, docker_api, attacker)
+    status = assert_pool_recovers(hostile, docker_api, attacker)
+    # What was still in the pipes when it returned is within the idle allowance: not broken.
+    with hostile.client() as client:
+        assert call(client, attacker, "hello", {"name": "after"})["status"] == "ok"
+    with hostile.log_path.open("rb") as log:
+        log.seek(log_from)
+        assert b"sandbox_broken" not in log.read(), status
 
 
 def test_a_50_mb_result_is_cut_with_a_note(hostile: Daemon, docker_api: Any, attacker: str) -> None:
