@@ -45,7 +45,7 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
         "run", parents=[parent], help="run a tool from its folder, without installing it",
         description="Run a tool from any folder in the kind of sandbox the service uses: a Docker container "
                     "from the runner image with the same limits and mounts, the tool's folder read-only at "
-                    "/officer/user/tools/<folder>. Without Docker (or with --backend process) the tool runs as "
+                    "/officer/user/tools/<folder>. With --backend process (never by itself) the tool runs as "
                     "a local node process, UNSANDBOXED. Progress and the tool's console output go to stderr, "
                     "the result to stdout. Ctrl-C fires the tool's AbortSignal and shows its result; a second "
                     "Ctrl-C kills it. Exit status: 0 ok, 1 the tool failed or is invalid, 2 usage or no backend, "
@@ -59,9 +59,9 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
                      help="deadline in seconds (default: calls.default_timeout_ms; capped by calls.max_timeout_ms)")
     run.add_argument("--watch", action="store_true",
                      help="keep the sandbox warm and run again whenever a file in the tool's folder changes")
-    run.add_argument("--backend", dest="run_backend", choices=["auto", "docker", "process"],
-                     help="auto (default): Docker when it and the runner image are there, else process; "
-                          "process runs the tool UNSANDBOXED (also: SANDBOXD_BACKEND=process)")
+    run.add_argument("--backend", dest="run_backend", choices=["docker", "process"],
+                     help="docker (default; without Docker and the runner image, run stops and says so) or "
+                          "process, which runs the tool UNSANDBOXED (also: SANDBOXD_BACKEND=process)")
     run.add_argument("--raw", action="store_true",
                      help="print the raw result object as JSON, with \"backend\" and \"unsandboxed\"")
     run.set_defaults(handler=run_command)

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
-from sandboxd.config import Config, load_config
+from sandboxd.config import Config, check_unsandboxed, load_config
 from sandboxd.logging import configure_logging
 
 
@@ -20,7 +20,7 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     )
     p.add_argument("--socket", type=Path, metavar="PATH", help="unix socket to listen on")
     p.add_argument("--seed-tools", type=Path, metavar="DIR", help="seed tools to sync at start")
-    p.add_argument("--backend", choices=["docker", "process"], help="sandbox backend (process = UNSANDBOXED, for development)")
+    p.add_argument("--backend", choices=["docker", "process"], help="sandbox backend (process = UNSANDBOXED, for development; needs allow_unsafe: [unsandboxed])")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(handler=run_serve)
 
@@ -29,6 +29,7 @@ def run_serve(args: argparse.Namespace, config: Config) -> int:
     from sandboxd.server.server import serve
     from sandboxd.service.systemd import listen_socket
 
+    check_unsandboxed(config)  # `sandboxd run` asks for the process backend by flag; a service must say so
     configure_logging(config.log_level, config.log_format)
 
     def reload_config() -> Config:

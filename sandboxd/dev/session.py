@@ -7,8 +7,9 @@ the ones the service applies. What differs is only where the tool comes from:
 its folder is bound read-only at ``/officer/user/tools/<folder>``, and the
 user data directory is a scratch directory unless ``--user`` names one.
 
-Without Docker, the process backend runs the same shim as a local ``node``
-process. That is UNSANDBOXED, and everything that reports on it says so.
+Asked for by name (``--backend process``), never as a fallback, the process backend
+runs the same shim as a local ``node`` process. That is UNSANDBOXED, and everything
+that reports on it says so.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from sandboxd.config import Config, PoolConfig
+from sandboxd.config import Config, PoolConfig, email_db_path
 from sandboxd.errors import BackendUnavailable, SandboxFailed
 from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
 from sandboxd.sandbox.pool import Pool
@@ -27,7 +28,7 @@ from sandboxd.server.calls import CallContext, CallParams, CallRunner, result, t
 from sandboxd.tools.discovery import Tool
 from sandboxd.users import global_tools_dir, user_dir
 
-BackendName = Literal["auto", "docker", "process"]
+BackendName = Literal["docker", "process"]
 
 # Containers of `sandboxd run` carry this instance label: a run that was killed leaves at most
 # a stopped container, which the next run removes.
@@ -48,14 +49,14 @@ class BackendChoice:
 
 
 def requested_backend(flag: str | None, config: Config) -> BackendName:
-    """--backend, else a configured ``backend`` (file or SANDBOXD_BACKEND), else auto."""
+    """--backend, else a configured ``backend`` (file or SANDBOXD_BACKEND), else docker."""
     if flag is not None:
         return flag  # type: ignore[return-value]
     if "backend" in config.model_fields_set:
         if config.backend == "fake":
             raise BackendUnavailable("backend 'fake' is for sandboxd's own tests; use --backend docker or process.")
         return config.backend
-    return "auto"
+    return "docker"
 
 
 def max_line_bytes(config: Config) -> int:
@@ -64,19 +65,20 @@ def max_line_bytes(config: Config) -> int:
 
 
 def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
-    """Docker when it is usable (or required), otherwise the process backend. Raises BackendUnavailable."""
-    if requested in ("auto", "docker"):
+    """The backend asked for; raises BackendUnavailable when Docker is asked for and not usable.
+
+    Never falls back to the process backend: running a tool unsandboxed is the
+    developer's explicit choice, not what a stopped Docker engine decides.
+    """
+    if requested == "docker":
         docker_backend, problem = _usable_docker(config)
-        if docker_backend is not None:
-            return BackendChoice(docker_backend, "Docker")
-        if requested == "docker":
-            raise BackendUnavailable(f"{problem}; start Docker and run `make image`, or use --backend process.")
-        reason = problem
-    else:
-        reason = "the process backend was asked for"
+        if docker_backend is None:
+            raise BackendUnavailable(f"{problem}; start Docker and run `make image`, or pass --backend process "
+                                     "to run the tool UNSANDBOXED, as a local node process with your rights.")
+        return BackendChoice(docker_backend, "Docker")
     from sandboxd.sandbox.process_backend import ProcessBackend
 
-    return BackendChoice(ProcessBackend(max_line_bytes=max_line_bytes(config)), reason)
+    return BackendChoice(ProcessBackend(max_line_bytes=max_line_bytes(config)), "the process backend was asked for")
 
 
 def _usable_docker(config: Config) -> tuple[Backend | None, str]:
@@ -117,7 +119,7 @@ def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *,
     if mount_tool:
         (tools_root / tool_dir.name).mkdir(exist_ok=True)
     data = config.data_path
-    email_db = Path(config.sandbox.email_db.format(data_path=data, user=user)) if user else None
+    email_db = email_db_path(config, user) if user else None
     return SandboxSpec(
         user=user or DEV_USER,
         tools_dir=global_tools_dir(data),
@@ -125,6 +127,7 @@ def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *,
         user_tools_dir=tools_root,
         email_db=email_db,
         read_only_mounts=((tool_dir, f"{CONTAINER_USER_TOOLS}/{tool_dir.name}"),) if mount_tool else (),
+        root=data if user else None,
     )
 
 

@@ -103,25 +103,30 @@ def test_wait_for_change_returns_none_when_stopped(tmp_path: Path) -> None:
 
 # --- choosing the backend ----------------------------------------------------------------------
 
-def test_requested_backend_flag_then_config_then_auto() -> None:
+def test_requested_backend_flag_then_config_then_docker() -> None:
     assert requested_backend("docker", load_config(environ={"SANDBOXD_BACKEND": "process"})) == "docker"
     assert requested_backend(None, load_config(environ={"SANDBOXD_BACKEND": "process"})) == "process"
-    assert requested_backend(None, load_config(environ={})) == "auto"
+    assert requested_backend(None, load_config(environ={})) == "docker"
     with pytest.raises(BackendUnavailable, match="fake"):
         requested_backend(None, load_config(environ={"SANDBOXD_BACKEND": "fake"}))
 
 
-def test_auto_falls_back_to_the_process_backend_and_says_why() -> None:
+def test_docker_unreachable_is_an_error_with_the_fix_never_a_fallback() -> None:
     config = Config(sandbox=SandboxConfig(docker_host=NO_DOCKER))
-    choice = choose_backend("auto", config)
-    assert isinstance(choice.backend, ProcessBackend) and choice.unsandboxed
-    assert choice.reason == "the Docker engine is not reachable"
-
-
-def test_docker_required_but_unreachable_is_an_error_with_the_fix() -> None:
-    config = Config(sandbox=SandboxConfig(docker_host=NO_DOCKER))
-    with pytest.raises(BackendUnavailable, match="not reachable; start Docker and run `make image`, or use --backend process"):
+    with pytest.raises(BackendUnavailable, match="not reachable; start Docker and run `make image`, or pass "
+                                                 "--backend process to run the tool UNSANDBOXED"):
         choose_backend("docker", config)
+
+
+def test_run_without_docker_stops_and_never_runs_the_tool_unsandboxed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = write_tool(tmp_path, "probe", SESSION_TOOL, SESSION_INPUTS)
+    monkeypatch.setenv("SANDBOXD_SANDBOX_DOCKER_HOST", NO_DOCKER)
+    code = main(["run", str(tool), "--arg", "mode=ok", "--data-path", str(tmp_path / "data")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert "the Docker engine is not reachable" in err and "pass --backend process" in err
+    assert "UNSANDBOXED (" not in err  # no banner: nothing ran
 
 
 def test_process_requested() -> None:
