@@ -348,3 +348,141 @@ def test_a_client_that_stops_reading_pauses_its_calls_sandboxes(tmp_path: Path) 
         # The call ended while its client was paused: the sandbox goes back to the pool reading.
         assert not sandbox.reading_paused
         connection.resume_writing()
+
+
+# --- hostile requests and hostile tool trees (issue 11) --------------------------------------
+
+_DEEP = b"{DEEP}"  # replaced by nesting just under what the daemon's JSON parser takes
+_BAD_REQUESTS = [
+    # (line, code, id the answer carries)
+    (b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"user":["alice@example.com"]}}', -32602, 1),
+    (b'{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{"user":{"a":1}}}', -32602, 2),
+    (b'{"jsonrpc":"2.0","id":3,"method":"tools/list","params":{"user":"alice@example.com\\n"}}', -32602, 3),
+    (b'{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"user":"alice@example.com\\n","name":"hello",'
+     b'"arguments":{"name":"x"}}}', -32602, 4),
+    (b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"user":"alice@example.com","name":"hello",'
+     b'"arguments":{"name":' + b"9" * 400 + b'}}}', -32602, 5),
+    (b'{"jsonrpc":"2.0","id":' + b"9" * 400 + b',"method":"ping"}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":6,"method":"ping","method":"tools/list"}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"user":"alice@example.com","name":"hello",'
+     b'"arguments":{"name":"x","name":"y"}}}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"user":"alice@example.com","name":"hello",'
+     b'"arguments":{"name":' + _DEEP + b'}}}', -32602, 8),
+    (b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"user":"alice@example.com","name":"hello",'
+     b'"arguments":{"name":"x"},"_meta":{"progressToken":' + _DEEP + b'}}}', -32602, 9),
+    (b'{"jsonrpc":"2.0","id":10,"method":"tools/call","params":{"user":"alice@example.com","name":"hello",'
+     b'"arguments":{"name":"x"},"_meta":[]}}', -32602, 10),
+]
+
+
+def test_every_bad_request_shape_gets_its_code(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler, max_message_bytes=1 << 20)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        depth = 1000
+        while True:  # the parser's limit depends on the daemon's own call depth: find it
+            conn.send(b'{"jsonrpc":"2.0","id":0,"method":"ping","params":' + b"[" * depth + b"]" * depth + b"}\n")
+            if "result" in await conn.read():
+                break
+            depth -= 1
+        deep = b"[" * (depth - 4) + b"]" * (depth - 4)  # as deep, under four more objects
+        for line, code, request_id in _BAD_REQUESTS:
+            conn.send(line.replace(_DEEP, deep) + b"\n")
+            reply = await conn.read()
+            assert (reply["id"], reply["error"]["code"]) == (request_id, code), (line[:120], reply)
+            assert reply["error"]["message"]
+        assert (await conn.request("ping", request_id="alive"))["result"] == {}
+
+
+def test_a_user_in_other_case_is_the_same_user(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": "Alice@Example.COM", "name": "hello", "arguments": {"name": "x"}})
+        assert reply["result"]["status"] == "ok"
+        assert {sandbox.user for sandbox in h.backend.sandboxes.values()} == {USER}
+
+
+def _block_scans_of(monkeypatch: Any, user: str) -> Any:
+    """Make parsing the user's TOOL.md files wait for the returned event (at most 3 s)."""
+    import threading
+
+    from sandboxd.tools import discovery
+
+    release = threading.Event()
+    real = discovery._parse
+
+    def parse(manifest_path: Path, root: Path) -> Any:
+        if user in str(manifest_path):
+            release.wait(3)
+        return real(manifest_path, root)
+
+    monkeypatch.setattr(discovery, "_parse", parse)
+    return release
+
+
+def test_a_slow_scan_never_holds_up_pings_or_other_users(tmp_path: Path, monkeypatch: Any) -> None:
+    mallory = "mallory@example.com"
+    tool = tmp_path / "data" / mallory / "tools" / "slow"
+    tool.mkdir(parents=True)
+    (tool / "TOOL.md").write_text("---\nname: slow\ndescription: Slow.\nversion: 1\n---\n# Slow\n")
+    (tool / "index.ts").write_text("export async function execute() {}\n")
+    release = _block_scans_of(monkeypatch, mallory)
+
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        conn.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/list", "params": {"user": mallory}})
+        conn.send({"jsonrpc": "2.0", "id": "ping", "method": "ping"})
+        conn.send({"jsonrpc": "2.0", "id": "list", "method": "tools/list", "params": {"user": USER}})
+        conn.send({"jsonrpc": "2.0", "id": "call", "method": "tools/call",
+                   "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
+        try:
+            # Scanned on the event loop, mallory's listing would come first, 3 s late.
+            first = [(await conn.read())["id"] for _ in range(3)]
+        finally:
+            release.set()
+        assert sorted(first) == ["call", "list", "ping"]
+        slow = await conn.read()
+        assert slow["id"] == "slow" and [t["name"] for t in slow["result"]["tools"]] == ["hello", "slow"]
+
+
+def test_a_tool_added_after_a_listing_is_callable_at_once(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        assert [t["name"] for t in (await conn.request("tools/list", {"user": USER}))["result"]["tools"]] == ["hello"]
+        tool = tmp_path / "data" / USER / "tools" / "fresh"
+        tool.mkdir(parents=True)
+        (tool / "TOOL.md").write_text("---\nname: fresh\ndescription: New.\nversion: 1\n"
+                                      "inputs:\n  name:\n    type: string\n    description: Who.\n---\n# Fresh\n")
+        (tool / "index.ts").write_text("export async function execute() {}\n")
+        reply = await conn.request("tools/call", {"user": USER, "name": "fresh", "arguments": {"name": "x"}}, request_id=2)
+        assert reply["result"]["status"] == "ok"
+        unknown = await conn.request("tools/call", {"user": USER, "name": "nope", "arguments": {}}, request_id=3)
+        assert unknown["error"]["code"] == -32602 and "known: fresh, hello" in unknown["error"]["message"]
+
+
+def test_warm_calls_scan_nothing(tmp_path: Path, monkeypatch: Any) -> None:
+    from sandboxd.tools import discovery
+
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    scans: list[Path] = []
+    real = discovery.ToolCatalog._scan
+
+    def counting(self: Any, root: Path, *args: Any, **kwargs: Any) -> Any:
+        scans.append(root)
+        return real(self, root, *args, **kwargs)
+
+    monkeypatch.setattr(discovery.ToolCatalog, "_scan", counting)
+
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
+        scans.clear()
+        for request_id in range(2, 52):
+            reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}},
+                                       request_id=request_id)
+            assert reply["result"]["status"] == "ok"
+        assert scans == []
