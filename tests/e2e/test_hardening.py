@@ -1,0 +1,86 @@
+"""Every hardening flag docs/security.md promises, read back from a container the daemon made.
+
+test_image.py builds containers of its own; this asks the engine about the daemon's, so
+that dropping any flag in DockerBackend._create turns a test red. What a flag does to a
+tool is tested by the hostile catalogue (test_hostile.py); this is that it is there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sandboxd.config import AUTO_SANDBOX_ID
+
+from tests.e2e.conftest import Daemon
+
+pytestmark = pytest.mark.docker
+
+USER = "hardened@example.com"
+TOKEN = "per-call-token-5d1e9c"
+CONFIG = """\
+sandbox:
+  memory: 200m
+  cpus: 0.5
+  pids_limit: 77
+  tmp_size: 12m
+"""
+
+
+@pytest.fixture
+def inspected(make_daemon: Any, docker_api: Any) -> dict[str, Any]:
+    daemon: Daemon = make_daemon(config=CONFIG)
+    with daemon.client() as client:
+        result = client.call_tool(USER, "env_probe", {}, env={"OFFICER_APIFY_TOKEN": TOKEN})
+        assert result["status"] == "ok", result
+    running = [c for c in daemon.containers(docker_api, **{"org.sandboxd.user": USER}) if c["State"] == "running"]
+    assert running, "the call's sandbox (or its warm spare) should be running"
+    return docker_api.api.inspect_container(running[0]["Id"])
+
+
+def test_root_filesystem_capabilities_and_privileges(inspected: dict[str, Any]) -> None:
+    host = inspected["HostConfig"]
+    assert host["ReadonlyRootfs"] is True
+    assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
+    assert host["SecurityOpt"] == ["no-new-privileges"]
+    assert host["Privileged"] is False
+    assert inspected["Config"]["User"] == f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
+
+
+def test_limits(inspected: dict[str, Any]) -> None:
+    host = inspected["HostConfig"]
+    assert host["Memory"] == 200 << 20
+    assert host["MemorySwap"] == host["Memory"]  # no swap: the limit is the limit
+    assert host["NanoCpus"] == 500_000_000
+    assert host["PidsLimit"] == 77
+    assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {("core", 0, 0), ("nofile", 4096, 4096)}
+
+
+def test_init_ipc_log_and_scratch_space(inspected: dict[str, Any]) -> None:
+    host = inspected["HostConfig"]
+    assert host["Init"] is True
+    assert host["IpcMode"] == "private"
+    assert host["LogConfig"]["Type"] == "none"
+    tmpfs = host["Tmpfs"]
+    assert set(tmpfs) == {"/tmp", "/officer/data"}
+    for options in tmpfs.values():
+        assert {"nosuid", "nodev"} <= set(options.split(","))
+    assert "size=12m" in tmpfs["/tmp"].split(",")
+
+
+def test_mounts_are_the_documented_ones_and_never_the_docker_socket(inspected: dict[str, Any]) -> None:
+    mounts = {m["Destination"]: m for m in inspected["Mounts"]}
+    assert set(mounts) == {"/officer/tools", "/officer/user", "/officer/user/tools", "/officer/run"}
+    for destination, writable in (("/officer/tools", False), ("/officer/user/tools", False), ("/officer/run", False),
+                                  ("/officer/user", True)):
+        assert mounts[destination]["Type"] == "bind" and mounts[destination]["RW"] is writable, destination
+    assert not any("docker.sock" in m["Source"] for m in inspected["Mounts"])
+
+
+def test_per_call_secrets_are_never_in_the_containers_config(inspected: dict[str, Any]) -> None:
+    config = inspected["Config"]
+    assert TOKEN not in repr(config["Env"]) and TOKEN not in repr(config.get("Cmd"))
+    assert TOKEN not in repr(config.get("Entrypoint")) and TOKEN not in repr(config.get("Labels"))
+    names = {entry.split("=", 1)[0] for entry in config["Env"]}
+    assert "OFFICER_APIFY_TOKEN" not in names
