@@ -71,8 +71,10 @@ class Daemon:
         self.config_path = tmp / "config.yaml"
         self.data.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(config)
-        # Test sandboxes never get a network.
-        self.env = {**os.environ, "SANDBOXD_SANDBOX_NETWORK": "none", **(env or {})}
+        # Only what the test says: a SANDBOXD_* of the machine (SANDBOXD_BACKEND=process, say)
+        # would otherwise change what every test runs against. Test sandboxes get no network.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOXD_")}
+        self.env = {**inherited, "SANDBOXD_SANDBOX_NETWORK": "none", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         shutil.copytree(TOOL_FIXTURES, self.data / "tools", dirs_exist_ok=True)
 

@@ -493,3 +493,14 @@ def test_cli_ctrl_c_cancels_the_call(daemon: Daemon) -> None:
     assert proc.returncode == 1, err
     assert "aborted after" in out and "cancelled with Ctrl-C" in out
     assert "status cancelled" in err
+
+
+def test_the_machines_sandboxd_variables_do_not_reach_the_test_daemon(make_daemon: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With SANDBOXD_BACKEND=process inherited, most of this file would pass on the process backend.
+    monkeypatch.setenv("SANDBOXD_BACKEND", "process")
+    monkeypatch.setenv("SANDBOXD_POOL_MAX_PER_USER", "1")
+    daemon = make_daemon()
+    with daemon.client() as client:
+        status = client.request("sandbox/status")
+    assert status["backend"] == "docker" and status["unsandboxed"] is False
+    assert status["limits"]["maxPerUser"] == 4
