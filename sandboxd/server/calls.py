@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ log = get_logger("sandboxd.calls")
 
 # Set by the daemon itself (TOOLS.md); a call may not override them.
 RESERVED_ENV = frozenset({"HOME", "OFFICER_USER_HOME", "OFFICER_USER_ROOT", "PI_TOOLS_DIRS", "OFFICER_EMAIL_DB"})
+
+_MAX_DOUBLE = int(sys.float_info.max)  # a larger integer is Infinity to a JavaScript client
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
@@ -107,8 +110,9 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     if meta is not None and not isinstance(meta, dict):
         raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
     token = meta.get("progressToken") if meta is not None else None
-    if token is not None and (isinstance(token, bool) or not isinstance(token, (str, int, float))):
-        raise InvalidParams("'_meta.progressToken' must be a string or a number.")
+    if token is not None and (isinstance(token, bool) or not isinstance(token, (str, int, float))
+                              or isinstance(token, int) and abs(token) > _MAX_DOUBLE):
+        raise InvalidParams("'_meta.progressToken' must be a string or a number (that fits a double).")
     tool = catalog.lookup(name, user, since=since)
     if tool is None:
         known = ", ".join(catalog.known_names(user)[:20]) or "none"

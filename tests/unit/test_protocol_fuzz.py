@@ -13,6 +13,7 @@ import asyncio
 import collections
 import json
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -184,19 +185,26 @@ def expected_answer(line: bytes) -> tuple[int, Any]:
     if not line.strip():
         return 0, None
     try:
-        message = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+        message = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)),
+                             object_pairs_hook=_no_duplicates)
         if any(isinstance(v, float) and v in (float("inf"), float("-inf")) for v in _walk(message)):
             return 1, None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError):  # a duplicate key too: -32600 with id null
         return 1, None
     if not isinstance(message, dict):
         return 1, None
     request_id = message.get("id")
-    if not _valid_id(request_id):
+    if not _valid_id(request_id) or isinstance(request_id, int) and abs(request_id) > sys.float_info.max:
         return 1, None
     if message.get("jsonrpc") == "2.0" and isinstance(message.get("method"), str) and "id" not in message:
         return 0, None  # a notification
     return 1, request_id
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate key")
+    return dict(pairs)
 
 
 def _walk(value: Any) -> Iterator[Any]:
@@ -280,7 +288,74 @@ garbage = st.one_of(
                      b'{"jsonrpc":"2.0","id":"s","method":"ping","params":{"x":"\\ud800"}}', b"\x00" * 10, b"   ", b"\r",
                      b'[{"jsonrpc":"2.0","id":1,"method":"ping"}]', b"{}", b"null", b'"ping"']),
 )
-lines = st.lists(st.one_of(messages(), notifications, garbage), min_size=1, max_size=12)
+
+
+# -- hostile request shapes (issue 11), each with the one code it must get -----------------
+
+def _deep(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+_NOT_A_USER = st.one_of(
+    st.lists(st.just(USER), min_size=1, max_size=2).map(json.dumps),
+    st.just(json.dumps({"email": USER})),
+    st.sampled_from([USER + "\n", USER + "\r", " " + USER, USER + "\u0000", "alice@example.com\nbob@example.com"])
+    .map(json.dumps),
+    st.integers(1, 900).map(_deep),
+    st.sampled_from(["1", "true", "1e3"]),
+)
+_BIG = st.integers(310, 1200).map(lambda digits: "9" * digits)  # past a double, under Python's 4300 digits
+
+
+@st.composite
+def hostile_requests(draw: Any) -> tuple[bytes, int, Any]:
+    """(line, the error code it must get, the id that answer carries)."""
+    rid = draw(st.integers(1, 10**6))
+    head = f'"jsonrpc":"2.0","id":{rid}'
+    call = f'"user":"{USER}","name":"calc"'
+    kind = draw(st.sampled_from(["list_user", "call_user", "big_arg", "big_id", "big_token", "deep_arg",
+                                 "deep_token", "deep_env", "dup_top", "dup_nested"]))
+    if kind == "list_user":
+        return f'{{{head},"method":"tools/list","params":{{"user":{draw(_NOT_A_USER)}}}}}'.encode(), -32602, rid
+    if kind == "call_user":
+        return (f'{{{head},"method":"tools/call","params":{{"user":{draw(_NOT_A_USER)},"name":"calc",'
+                f'"arguments":{{"n":1}}}}}}').encode(), -32602, rid
+    if kind == "big_arg":
+        argument = draw(st.sampled_from(["n", "flag", "mode"]))
+        sign = draw(st.sampled_from(["", "-"]))
+        return (f'{{{head},"method":"tools/call","params":{{{call},"arguments":{{"{argument}":{sign}{draw(_BIG)}}}}}}}'
+                .encode(), -32602, rid)
+    if kind == "big_id":
+        return f'{{"jsonrpc":"2.0","id":{draw(_BIG)},"method":"ping"}}'.encode(), -32600, None
+    if kind == "big_token":
+        return (f'{{{head},"method":"tools/call","params":{{{call},"arguments":{{"n":1}},'
+                f'"_meta":{{"progressToken":{draw(_BIG)}}}}}}}').encode(), -32602, rid
+    depth = draw(st.integers(1, 900))  # far below the parser's limit, wherever its stack starts
+    if kind == "deep_arg":
+        return (f'{{{head},"method":"tools/call","params":{{{call},"arguments":{{"n":{_deep(depth)}}}}}}}'
+                .encode(), -32602, rid)
+    if kind == "deep_token":
+        return (f'{{{head},"method":"tools/call","params":{{{call},"arguments":{{"n":1}},'
+                f'"_meta":{{"progressToken":{_deep(depth)}}}}}}}').encode(), -32602, rid
+    if kind == "deep_env":
+        return (f'{{{head},"method":"tools/call","params":{{{call},"arguments":{{"n":1}},'
+                f'"env":{{"PI_SEARXNG_URL":{_deep(depth)}}}}}}}').encode(), -32602, rid
+    if kind == "dup_top":
+        key = draw(st.sampled_from(['"id":1', '"method":"ping"', '"jsonrpc":"2.0"', '"params":{}']))
+        return f'{{{head},"method":"ping","params":{{}},{key}}}'.encode(), -32600, None
+    # A key twice somewhere inside: in params, arguments, env, _meta, or deep in a value.
+    inner = draw(st.sampled_from([
+        f'"params":{{{call},"arguments":{{"n":1,"n":2}}}}',
+        f'"params":{{{call},"name":"hello","arguments":{{"n":1}}}}',
+        f'"params":{{{call},"arguments":{{"n":1}},"env":{{"PI_SEARXNG_URL":"a","PI_SEARXNG_URL":"b"}}}}',
+        f'"params":{{{call},"arguments":{{"n":1}},"_meta":{{"progressToken":"a","progressToken":"b"}}}}',
+        f'"params":{{{call},"arguments":{{"n":{_deep(depth, chr(123) + chr(34) + "k" + chr(34) + ":1," + chr(34) + "k" + chr(34) + ":2" + chr(125))}}}}}',
+    ]))
+    return f'{{{head},"method":"tools/call",{inner}}}'.encode(), -32600, None
+
+
+lines = st.lists(st.one_of(messages(), notifications, garbage, hostile_requests().map(lambda case: case[0])),
+                 min_size=1, max_size=12)
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -319,6 +394,17 @@ def _normalise(counter: collections.Counter[str]) -> collections.Counter[Any]:
         value = json.loads(key)
         out[json.dumps(value) if not isinstance(value, (int, float)) or isinstance(value, bool) else float(value)] += count
     return out
+
+
+@FUZZ
+@given(cases=st.lists(hostile_requests(), min_size=1, max_size=8))
+def test_hostile_request_shapes_get_a_clear_code(served: ThreadedServer, cases: list[tuple[bytes, int, Any]]) -> None:
+    with served.connect() as sock:
+        reader = Reader(sock)
+        for line, code, request_id in cases:
+            sock.sendall(line + b"\n" + b'{"jsonrpc":"2.0","id":"__sentinel__","method":"ping"}\n')
+            answers = reader.answered("__sentinel__", 1)  # a call may answer after the ping
+            assert [(a.get("id"), a.get("error", {}).get("code")) for a in answers] == [(request_id, code)], (line[:200], answers)
 
 
 @FUZZ
