@@ -129,6 +129,14 @@ class SandboxConfig(_Section):
                     "(works with a remote engine).",
     )
 
+    @field_validator("user", mode="before")
+    @classmethod
+    def _quoted(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            # YAML 1.1 reads 1000:1000 as a base-60 number.
+            raise ValueError("an unquoted uid:gid is read by YAML as a number; quote it, e.g. user: '2000000000:2000000000'")
+        return value
+
     @field_validator("user", mode="after")
     @classmethod
     def _never_root(cls, value: str) -> str:
