@@ -140,6 +140,17 @@ class Pool:
                 ) from None
             raise
 
+    def warm(self, user: str) -> None:
+        """``user`` is about to call (a session just listed their tools): start their min_idle now.
+
+        The user counts as active from here, as after a call, so the idle TTL applies; nothing
+        is evicted for it and nobody waits for it.
+        """
+        if self._closing:
+            return
+        self._last_call[user] = self._clock()
+        self._apply(self._plan())
+
     def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
         """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
         now = self._clock()

@@ -206,7 +206,11 @@ class Connection(asyncio.Protocol):
             if params is not None and not isinstance(params, dict):
                 raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
             user = params.get("user") if params is not None else None
-            return self._answer_later(request_id, method, self._list_tools(None if user is None else check_user(user)))
+            user = None if user is None else check_user(user)
+            if user is not None and not server.stopping:
+                # A session lists its tools when it starts: its first call, seconds later, finds a warm sandbox.
+                server.pool.warm(user)
+            return self._answer_later(request_id, method, self._list_tools(user))
         if method == "sandbox/status":
             return self.send({"jsonrpc": "2.0", "id": request_id, "result": server.status()})
         if method == "tools/call":

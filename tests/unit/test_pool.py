@@ -329,3 +329,53 @@ def test_close_cancels_starts_in_flight() -> None:
         assert backend.sandboxes == {}
 
     run(main())
+
+
+def test_warm_starts_min_idle_before_the_first_call() -> None:
+    async def main() -> None:
+        clock = Clock()
+        backend = FakeBackend()
+        pool = make_pool(backend, clock, min_idle=1, idle_ttl_s=60)
+        pool.warm("a@x.io")
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
+        assert backend.starts == 1
+        pool.warm("a@x.io")  # a second session start: the warm sandbox is enough
+        await settle()
+        assert backend.starts == 1
+        # The first call takes the warm sandbox: no start on its path.
+        pooled = await pool.acquire("a@x.io")
+        assert pooled.state is State.BUSY and backend.starts == 1
+        pool.release(pooled, reusable=True)
+        await settle()
+        # A warmed user who never calls cools down after the idle TTL, like any quiet user.
+        pool.warm("b@x.io")
+        await settle()
+        assert pool.status()["users"]["b@x.io"]["idle"] == 1
+        clock.now += 61
+        pool.maintain()
+        await settle()
+        assert "b@x.io" not in pool.status()["users"]
+
+    run(main())
+
+
+def test_warm_never_evicts_and_does_nothing_without_min_idle_or_while_closing() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, max_total=1, min_idle=1)
+        pool.warm("a@x.io")
+        await settle()
+        pool.warm("b@x.io")  # the pool is full: b's warm-up must not evict a's sandbox
+        await settle()
+        assert pool.status()["users"] == {"a@x.io": {"starting": 0, "idle": 1, "busy": 0, "stopping": 0, "waiting": 0}}
+        cold = make_pool(FakeBackend(), min_idle=0)
+        cold.warm("a@x.io")
+        await settle()
+        assert repr(cold) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
+        await pool.close(grace=0)
+        pool.warm("c@x.io")
+        await settle()
+        assert backend.sandboxes == {}
+
+    run(main())

@@ -103,6 +103,24 @@ def test_call_ok_and_status(tmp_path: Path) -> None:
         assert repr(h.server.pool).startswith("<Pool [starting: 0")
 
 
+def test_listing_a_users_tools_warms_their_pool(tmp_path: Path) -> None:
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        await conn.request("tools/list")  # no user: nobody to warm
+        assert h.backend.starts == 0
+        reply = await conn.request("tools/list", {"user": USER}, request_id=2)
+        assert [tool["name"] for tool in reply["result"]["tools"]] == ["hello"]
+        for _ in range(100):  # the answer does not wait for the start: wait for its evidence
+            if h.server.pool.status()["users"].get(USER, {}).get("idle") == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert h.server.pool.status()["users"][USER]["idle"] == 1
+        h.backend.unavailable()  # from here no sandbox can start: the call must find the warmed one
+        reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "W"}}, request_id=3)
+        assert reply["result"]["status"] == "ok"
+
+
 def test_progress_before_result_with_request_id_token(tmp_path: Path) -> None:
     async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
         for i in range(3):
