@@ -208,6 +208,8 @@ class Server:
                 "idleTtlS": cfg.pool.idle_ttl_s,
                 "defaultTimeoutMs": cfg.calls.default_timeout_ms,
                 "maxTimeoutMs": cfg.calls.max_timeout_ms,
+                # Names only: a client (the pi extension) passes exactly these from its environment.
+                "allowedEnv": list(cfg.calls.allowed_env),
             },
         }
 

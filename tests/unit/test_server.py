@@ -100,6 +100,7 @@ def test_call_ok_and_status(tmp_path: Path) -> None:
         assert (result["status"], result["isError"]) == ("ok", False)
         status = (await conn.request("sandbox/status", request_id=2))["result"]
         assert status["calls"] == {"ok": 1} and status["callsInFlight"] == 0
+        assert status["limits"]["allowedEnv"] == h.server.config.calls.allowed_env  # what a client may pass on
         assert repr(h.server.pool).startswith("<Pool [starting: 0")
 
 
