@@ -27,10 +27,11 @@ BYSTANDER_A, BYSTANDER_B = "alice@example.com", "bob@example.com"
 # Small limits so that bombs die fast (192m still fits a 50 MB result while the
 # shim cuts it); short grace so that cancels resolve fast.
 MEMORY_LIMIT = "192m"
+PIDS_LIMIT = 96
 HOSTILE_CONFIG = f"""\
 sandbox:
   memory: {MEMORY_LIMIT}
-  pids_limit: 96
+  pids_limit: {PIDS_LIMIT}
   tmp_size: 16m
 calls:
   cancel_grace_ms: 500

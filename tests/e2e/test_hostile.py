@@ -25,6 +25,7 @@ from tests.e2e.hostile_harness import (
     BYSTANDER_A,
     BYSTANDER_B,
     MEMORY_LIMIT,
+    PIDS_LIMIT,
     Background,
     assert_bystanders_served,
     assert_pool_recovers,
@@ -50,6 +51,19 @@ def hostile(tmp_path_factory: pytest.TempPathFactory, docker_api: Any) -> Iterat
 @pytest.fixture
 def attacker(request: pytest.FixtureRequest) -> str:
     return f"mallory.{request.node.name.split('[')[0].removeprefix('test_')[:40].replace('_', '-')}@example.com"
+
+
+def sandbox_events(daemon: Daemon, event: str, sandbox: str) -> list[dict[str, Any]]:
+    """The daemon's log events named ``event`` about one sandbox (the log is the whole module's)."""
+    found = []
+    for line in daemon.log_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event and record.get("sandbox") == sandbox:
+            found.append(record)
+    return found
 
 
 def daemon_rss_kb(daemon: Daemon) -> int:
@@ -103,11 +117,19 @@ def test_memory_bomb_crashes_naming_the_limit(hostile: Daemon, docker_api: Any, 
 def test_fork_bomb_is_stopped_by_the_pids_limit(hostile: Daemon, docker_api: Any, attacker: str) -> None:
     with hostile.client() as client:
         result = call(client, attacker, "fork_bomb", timeoutMs=15000)
-        assert result["status"] in ("error", "crashed"), result
-        if result["status"] == "error":
-            assert text_of(result) == "fork failed: EAGAIN", result
+        # What the pids limit produces, and nothing else would: fork fails with EAGAIN while the
+        # tool holds fewer processes than the limit (96: the bomb's shells and the shim hold the rest).
+        # Without the limit the tool would hold all 100,000 sleeps, or the memory limit would kill it.
+        assert result["status"] == "error", result
+        assert text_of(result) == "fork failed: EAGAIN", result
+        held, bombed = result["details"]["held"], result["details"]["sandbox"]
+        assert 0 < held < PIDS_LIMIT, result["details"]
         assert_bystanders_served(hostile)
-        # The attacker's next sandbox can start processes again: the bombed one was replaced.
+        # The bombed sandbox is retired (processes left), never reused: its container goes.
+        wait_until(lambda: not any(c["Id"].startswith(bombed) for c in hostile.containers(docker_api)), 20,
+                   f"the bombed sandbox {bombed} to be removed")
+        assert sandbox_events(hostile, "sandbox_retired", bombed), "the bombed sandbox was not retired"
+        # The attacker's next sandbox can start processes again.
         probe = call(client, attacker, "escalator")
     assert probe["status"] == "ok"
     assert not probe["details"]["su root"].startswith("error:"), probe["details"]
@@ -140,7 +162,7 @@ def test_processes_left_behind_by_a_returning_call_retire_the_sandbox(hostile: D
     assert result["status"] == "ok", result
     # The shim reported the leftovers; the daemon did not reuse the sandbox but destroyed it.
     wait_until(lambda: not host_processes(marker), 15, f"processes marked {marker} to be gone")
-    assert '"event": "sandbox_retired"' in hostile.log_path.read_text()
+    assert sandbox_events(hostile, "sandbox_retired", result["details"]["sandbox"])
     assert_pool_recovers(hostile, docker_api, attacker)
 
 
@@ -282,7 +304,10 @@ def test_resolving_long_after_the_abort(hostile: Daemon, docker_api: Any, attack
         assert timed_out["status"] == "timeout"
         assert call(client, attacker, "hello", {"name": "next"})["content"][0]["text"] == "Hello, next!"
         time.sleep(2.5)
-        assert client.request("ping") == {}  # nothing stray arrived on this connection meanwhile
+        # Nothing stray arrived on this connection meanwhile: the very next line is the ping's
+        # answer (Client.request would skip a line with another id).
+        client.send({"jsonrpc": "2.0", "id": "after", "method": "ping"})
+        assert client.read_message() == {"jsonrpc": "2.0", "id": "after", "result": {}}
     assert_pool_recovers(hostile, docker_api, attacker)
 
 
@@ -294,7 +319,10 @@ def test_an_unhandled_rejection_after_returning_fails_nobody(hostile: Daemon, do
         # (max_per_user 2), so one of these calls runs where they happen: neither may fail.
         a = Background(hostile, attacker, "late_resolver", {"ms": 1200})
         b = Background(hostile, attacker, "late_resolver", {"ms": 1200})
-        assert a.join()["status"] == "ok" and b.join()["status"] == "ok"
+        answers = [a.join(), b.join()]
+    assert [answer["status"] for answer in answers] == ["ok", "ok"], answers
+    assert first["details"]["sandbox"] in {answer["details"]["sandbox"] for answer in answers}, \
+        "neither call ran in the sandbox where the stray errors landed"
     assert_pool_recovers(hostile, docker_api, attacker)
 
 
@@ -305,6 +333,9 @@ def test_a_timer_keeping_the_event_loop_alive(hostile: Daemon, docker_api: Any, 
         time.sleep(0.3)
         second = call(client, attacker, "timer_keeper")
         assert second["status"] == "ok"
+    # The same sandbox served both (a live timer does not retire it), and the timer kept running there.
+    assert second["details"]["sandbox"] == first["details"]["sandbox"]
+    assert second["details"]["ticks"] > first["details"]["ticks"]
     assert_pool_recovers(hostile, docker_api, attacker)
 
 
@@ -316,13 +347,18 @@ def test_tool_mounts_are_read_only(hostile: Daemon, attacker: str) -> None:
                      "export async function execute() { return { content: [] }; }")
     global_tools = sorted(p for p in (hostile.data / "tools").iterdir() if p.is_dir())
     before = {p: (p / "index.ts").read_bytes() for p in (own, global_tools[0])}
+    for tool in before:
+        (tool / "index.ts").chmod(0o666)  # so that only a read-only mount can refuse the append (not EACCES)
     with hostile.client() as client:
         report = call(client, attacker, "ro_writer")["details"]
     assert "append /officer/user/tools/aaa_own_tool/index.ts" in report
     assert f"append /officer/tools/{global_tools[0].name}/index.ts" in report
-    assert len(report) == 13
+    assert len(report) == 14
+    # The image's own files are root's: refused either way. Everything else only by read-only
+    # mounts (the tools folders) and the read-only root (/var/tmp is world-writable in the image).
+    assert report.pop("write /opt/sandboxd/shim/src/main.js") in ("EACCES", "EROFS")
     for attempt, outcome in report.items():
-        assert outcome in ("EROFS", "EACCES", "EPERM"), f"{attempt}: {outcome}"
+        assert outcome == "EROFS", f"{attempt}: {outcome}"
     assert {p: (p / "index.ts").read_bytes() for p in before} == before
     assert not (hostile.user_dir(attacker) / "tools" / "evil.ts").exists()
 
@@ -333,7 +369,13 @@ def test_no_secrets_other_users_or_docker_socket_in_reach(hostile: Daemon, attac
     secret.write_text("alice's diary")
     with hostile.client() as client:
         call(client, BYSTANDER_A, "env_probe", env={"OFFICER_APIFY_TOKEN": "alice-token-123"})
-        report = call(client, attacker, "snooper")["details"]
+        report = call(client, attacker, "snooper", {"victim": BYSTANDER_A})["details"]
+    # It really looked: at alice's host path (from its own mount's source) and next door.
+    victim_path = report.pop("victim host path")
+    assert victim_path == str(secret.parent.resolve()), victim_path
+    tries = {key: report.pop(key) for key in list(report) if key.startswith("victim ")}
+    assert len(tries) == 6 and all(outcome == "ENOENT" for outcome in tries.values()), tries
+    assert report["ls /officer/user"].startswith("dir:") and "diary.txt" not in report["ls /officer/user"]
     everything = json.dumps(report)
     assert CANARY not in everything, "the daemon's environment leaked into a sandbox"
     # (/proc/self/mountinfo does show the host paths of the sandbox's own mounts: accepted, docs/security.md.)

@@ -1,4 +1,5 @@
 import { spawn } from "node:child_process";
+import { hostname } from "node:os";
 
 export async function execute() {
   // The classic bomb burns out against a pids limit (its shells exit when fork
@@ -23,6 +24,6 @@ export async function execute() {
   return {
     content: [{ type: "text", text: `fork failed: ${failure}` }],
     isError: true,
-    details: { failure, held },
+    details: { failure, held, sandbox: hostname() },
   };
 }

@@ -1,4 +1,5 @@
 import { spawn } from "node:child_process";
+import { hostname } from "node:os";
 
 export async function execute(_id: string, params: { marker: string; hang?: boolean }) {
   const m = params.marker;
@@ -13,5 +14,5 @@ export async function execute(_id: string, params: { marker: string; hang?: bool
   grand.on("error", () => {});
   await new Promise((r) => grand.on("exit", r)); // the intermediate shell exits at once
   if (params.hang !== false) await new Promise(() => {});
-  return { content: [{ type: "text", text: "left two processes behind" }] };
+  return { content: [{ type: "text", text: "left two processes behind" }], details: { sandbox: hostname() } };
 }

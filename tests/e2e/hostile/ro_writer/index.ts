@@ -17,5 +17,7 @@ export async function execute() {
     report[`symlink ${root}/link`] = attempt(() => fs.symlinkSync("/etc/passwd", `${root}/link`));
   }
   report["write /opt/sandboxd/shim/src/main.js"] = attempt(() => fs.appendFileSync("/opt/sandboxd/shim/src/main.js", "//"));
+  // World-writable in the image (1777): only the read-only root filesystem stops this one.
+  report["create /var/tmp/evil"] = attempt(() => fs.writeFileSync("/var/tmp/evil", "x"));
   return { content: [{ type: "text", text: JSON.stringify(report) }], details: report };
 }

