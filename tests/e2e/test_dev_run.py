@@ -183,7 +183,7 @@ def test_watch_reruns_on_save_in_the_same_sandbox(tmp_path: Path, env: dict[str,
 
 
 def test_a_daemon_on_the_process_backend_says_it_is_unsandboxed(make_daemon: Any) -> None:
-    daemon = make_daemon(config="backend: process\npool:\n  min_idle: 0\n")
+    daemon = make_daemon(config="backend: process\nallow_unsafe: [unsandboxed]\npool:\n  min_idle: 0\n")
     with daemon.client() as client:
         status = client.request("sandbox/status")
         steps: list[Any] = []
