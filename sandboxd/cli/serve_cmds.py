@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
-from sandboxd.config import Config, check_unsandboxed, load_config
-from sandboxd.logging import configure_logging
+from sandboxd.config import Config, check_unsandboxed, load_config, unsafe_settings
+from sandboxd.logging import configure_logging, get_logger
 
 
 def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -31,6 +31,10 @@ def run_serve(args: argparse.Namespace, config: Config) -> int:
 
     check_unsandboxed(config)  # `sandboxd run` asks for the process backend by flag; a service must say so
     configure_logging(config.log_level, config.log_format)
+    accepted = [name for name, _ in unsafe_settings(config) if name in config.allow_unsafe]
+    if accepted:  # said at every start, so nobody forgets the sandbox is weakened
+        get_logger("sandboxd.serve").warning("UNSAFE_SETTINGS", accepted=accepted,
+                                             detail="allow_unsafe accepts settings that weaken every sandbox")
 
     def reload_config() -> Config:
         # The same sources as at start-up: the file, SANDBOXD_* variables, then these flags.

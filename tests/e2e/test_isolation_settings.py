@@ -15,6 +15,8 @@ import pwd
 import secrets
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -24,7 +26,7 @@ import pytest
 
 from sandboxd.config import DEFAULT_NETWORK
 
-from tests.e2e.conftest import Daemon, write_tool
+from tests.e2e.conftest import REPO, Daemon, write_tool
 from tests.e2e.hostile_harness import call, text_of, wait_until
 
 pytestmark = pytest.mark.docker
@@ -151,12 +153,38 @@ def test_a_named_override_starts_the_daemon_with_that_setting(make_daemon: Any) 
     daemon = make_daemon(config="allow_unsafe: [cap_add]\nsandbox:\n  cap_add: [CHOWN]\npool:\n  min_idle: 0\n")
     with daemon.client() as client:
         assert client.request("ping") is not None
+    assert "UNSAFE_SETTINGS" in daemon.log() and "cap_add" in daemon.log()
 
 
 def test_root_in_the_sandbox_has_no_override(make_daemon: Any) -> None:
     daemon = make_daemon(start=False, config="allow_unsafe: [host_uid]\nsandbox:\n  user: '0:0'\n")
     log = _refused_start(daemon)
     assert "runs tools as root (uid or gid 0), which is never allowed" in log
+
+
+MARKER_WRITER = """
+import { writeFileSync } from 'node:fs';
+
+// Unsandboxed, this lands on the host: the proof that it ran outside a sandbox.
+export async function execute(_id: string, params: { path: string }) {
+  writeFileSync(params.path, 'ran on the host');
+  return { content: [{ type: 'text', text: 'wrote it' }] };
+}
+"""
+
+
+def test_run_without_docker_stops_instead_of_running_the_tool_unsandboxed(tmp_path: Path) -> None:
+    write_tool(tmp_path, "marker", MARKER_WRITER, inputs="  path:\n    type: string\n    description: Where.\n")
+    marker = tmp_path / "ran-unsandboxed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOXD_")}
+    env.update(SANDBOXD_CONFIG=os.devnull, SANDBOXD_DATA_PATH=str(tmp_path / "data"),
+               SANDBOXD_SANDBOX_NETWORK="none", SANDBOXD_SANDBOX_DOCKER_HOST="unix:///nonexistent/docker.sock",
+               PYTHONPATH=str(REPO))
+    ran = subprocess.run([sys.executable, "-m", "sandboxd", "run", "marker", "--arg", f"path={marker}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert ran.returncode == 2, ran.stderr
+    assert "the Docker engine is not reachable" in ran.stderr and "pass --backend process" in ran.stderr
+    assert not marker.exists() and "UNSANDBOXED (" not in ran.stderr
 
 
 # --- no traffic between sandboxes ---------------------------------------------------------------
