@@ -32,9 +32,9 @@ CONFIG = "pool:\n  max_per_user: 2\n  min_idle: 1\n"
 BYSTANDER_BOUND_S = 5.0
 
 
-def yaml_bomb(levels: int = 8) -> str:
+def yaml_bomb(name: str, levels: int = 8) -> str:
     """Issue 11's ~600-byte TOOL.md: eight levels of nested aliases as an input's default."""
-    lines = ["---", "name: bomb", "description: Boom.", "version: 1", "inputs:", "  q:", "    type: string",
+    lines = ["---", f"name: {name}", "description: Boom.", "version: 1", "inputs:", "  q:", "    type: string",
              "    description: Q.", "    default:", "      - &a0 [x, x, x, x, x, x, x, x, x]"]
     lines += [f"      - &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
     return "\n".join(lines + ["---", "# Bomb", ""])
@@ -112,21 +112,22 @@ def test_a_yaml_bomb_in_a_users_tool_md_delays_no_bystander(make_daemon: Any) ->
     daemon = make_daemon(CONFIG)
     with daemon.client() as client:  # alice warm: her calls need no new sandbox meanwhile
         assert client.call_tool(ALICE, "hello", {"name": "Alice"})["status"] == "ok"
-    write_user_tool(daemon, MALLORY, "bomb", yaml_bomb())
-    assert len((daemon.user_dir(MALLORY) / "tools" / "bomb" / "TOOL.md").read_bytes()) < 700
+    for index in range(4):  # one took 4.4 s of the loop on main here; four, far past the bound
+        write_user_tool(daemon, MALLORY, f"bomb_{index}", yaml_bomb(f"bomb_{index}"))
+    assert len((daemon.user_dir(MALLORY) / "tools" / "bomb_0" / "TOOL.md").read_bytes()) < 700
     with Bystander(daemon) as alice, daemon.client(timeout=300) as mallory:
         elapsed, listing = timed(lambda: mallory.request("tools/list", {"user": MALLORY}))
         with pytest.raises(RpcError) as refused:
-            mallory.call_tool(MALLORY, "bomb", {"q": "x"})
+            mallory.call_tool(MALLORY, "bomb_0", {"q": "x"})
         while alice.rounds < 2 and alice.error is None:
             time.sleep(0.01)
     assert alice.error is None, alice.error
-    assert elapsed < BYSTANDER_BOUND_S, f"mallory's own listing took {elapsed:.1f} s"
     assert all(worst < BYSTANDER_BOUND_S for worst in alice.worst.values()), alice.worst
-    assert "bomb" not in [tool["name"] for tool in listing["tools"]]
-    assert refused.value.code == -32602 and "unknown tool 'bomb'" in refused.value.message
+    assert elapsed < BYSTANDER_BOUND_S, f"mallory's own listing took {elapsed:.1f} s"
+    assert not [tool["name"] for tool in listing["tools"] if tool["name"].startswith("bomb")]
+    assert refused.value.code == -32602 and "unknown tool 'bomb_0'" in refused.value.message
     log = wait_for_log(daemon, "anchors and aliases")
-    assert "tool_skipped" in log and str(daemon.user_dir(MALLORY) / "tools" / "bomb") in log
+    assert "tool_skipped" in log and str(daemon.user_dir(MALLORY) / "tools" / "bomb_3") in log
 
 
 def test_a_tree_of_slow_manifests_is_read_off_the_event_loop(make_daemon: Any) -> None:
@@ -143,7 +144,8 @@ def test_a_tree_of_slow_manifests_is_read_off_the_event_loop(make_daemon: Any) -
     assert alice.error is None, alice.error
     # Evidence that the scan was heavy: were it on the event loop, alice would have waited as long.
     assert elapsed > 1.5, f"mallory's listing took only {elapsed:.2f} s: too fast to show anything; add manifests"
-    assert all(worst < min(1.0, elapsed / 2) for worst in alice.worst.values()), (elapsed, alice.worst)
+    # Measured: a 5 s scan, alice's worst call 0.23 s (the worker holds the GIL in turns).
+    assert all(worst < min(2.5, elapsed / 2) for worst in alice.worst.values()), (elapsed, alice.worst)
     listed = [tool["name"] for tool in listing["tools"] if tool["name"].startswith("heavy_")]
     # The root's 2 MiB TOOL.md budget, or its 5 s time limit, leaves some out; with a problem each.
     assert 0 < len(listed) < 40
