@@ -12,6 +12,8 @@ from sandboxd.config import Config
 from sandboxd.errors import InvalidParams
 from sandboxd.tools.discovery import (
     ENTRY_FILES,
+    MAX_ENTRIES_PER_ROOT,
+    MAX_ROOT_MANIFEST_BYTES,
     Skipped,
     Tool,
     ToolCatalog,
@@ -216,7 +218,7 @@ def _validate_root(root: Path, data_path: Path | None = None) -> list[Problem]:
     if not candidates:
         return [Problem(root, f"holds no {MANIFEST_FILE} and no tool directories",
                         f"add {MANIFEST_FILE} and index.ts here, or pass a tool directory or a directory of tools")]
-    problems: list[Problem] = []
+    problems = _root_bounds(root, candidates)
     by_name: dict[str, Tool] = {}
     for tool_dir in candidates:
         tool, tool_problems = validate_tool_dir(tool_dir, root, data_path)
@@ -225,6 +227,24 @@ def _validate_root(root: Path, data_path: Path | None = None) -> list[Problem]:
             if tool.name in by_name:
                 problems.append(shadow_problem(by_name[tool.name], tool))
             by_name[tool.name] = tool
+    return problems
+
+
+def _root_bounds(root: Path, candidates: list[Path]) -> list[Problem]:
+    """Warnings where the daemon, listing this directory as a tools root, would skip tools."""
+    problems = []
+    if len(candidates) > MAX_ENTRIES_PER_ROOT:
+        problems.append(Problem(root, f"holds {len(candidates)} tools; the daemon reads the first "
+                                      f"{MAX_ENTRIES_PER_ROOT} entries by name and skips the rest",
+                                "split the tools between the global and the user's tools directories, or remove some",
+                                severity="warning"))
+    manifests = [tool_dir / MANIFEST_FILE for tool_dir in candidates]
+    total = sum(path.stat().st_size for path in manifests if path.is_file())
+    if total > MAX_ROOT_MANIFEST_BYTES:
+        problems.append(Problem(root, f"its TOOL.md files add up to {total} bytes; the daemon reads "
+                                      f"{MAX_ROOT_MANIFEST_BYTES} bytes of them and skips the tools after that",
+                                "shorten the TOOL.md files (move long material out of them) or remove tools",
+                                severity="warning"))
     return problems
 
 

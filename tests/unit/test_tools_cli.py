@@ -345,3 +345,29 @@ def test_tools_list_json_in_a_real_process(data: Path, tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False)
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout) == {"tools": [HELLO_PROTOCOL, LOOKUP_PROTOCOL]}
+
+
+def test_validate_warns_where_the_daemon_would_skip_tools_of_a_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandboxd.cli import tools_cmds
+
+    monkeypatch.setattr(tools_cmds, "MAX_ENTRIES_PER_ROOT", 2)
+    monkeypatch.setattr(tools_cmds, "MAX_ROOT_MANIFEST_BYTES", 100)
+    root = tmp_path / "tools"
+    for dirname in ("a", "b", "c"):
+        (root / dirname).mkdir(parents=True)
+        (root / dirname / "TOOL.md").write_text(f"---\nname: {dirname}\ndescription: D.\nversion: 1\n---\n# D\n")
+        (root / dirname / "index.ts").write_text(VALID_ENTRY)
+    problems = validate_paths([root])
+    assert [(p.path, p.severity) for p in problems] == [(root, "warning"), (root, "warning")]
+    assert "holds 3 tools" in problems[0].message and "add up to" in problems[1].message
+
+
+def test_validate_reports_a_yaml_bomb_at_once(tmp_path: Path) -> None:
+    from tests.unit.test_manifest import yaml_bomb
+
+    tool = tmp_path / "bomb"
+    tool.mkdir()
+    (tool / "TOOL.md").write_text("---\n" + yaml_bomb() + "---\n# Bomb\n")
+    (tool / "index.ts").write_text(VALID_ENTRY)
+    problems = validate_paths([tool])
+    assert any("anchors and aliases" in p.message for p in problems)
