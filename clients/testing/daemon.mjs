@@ -1,0 +1,127 @@
+// A real `sandboxd serve` for the clients' tests, started the way tests/e2e/conftest.py
+// starts one: the repo's .venv python, its own data path and socket under a temp dir,
+// the seed tools plus clients/testing/tools, sandboxes on network none.
+
+import { spawn } from "node:child_process";
+import { cpSync, existsSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import net from "node:net";
+import { tmpdir } from "node:os";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const HERE = dirname(fileURLToPath(import.meta.url));
+export const REPO = resolve(HERE, "..", "..");
+export const TOOLS = join(HERE, "tools");
+export const USER = "alice@example.com";
+
+function pingOnce(socketPath) {
+  return new Promise((resolvePing) => {
+    const socket = net.createConnection({ path: socketPath });
+    let buffer = "";
+    const done = (ok) => {
+      socket.destroy();
+      resolvePing(ok);
+    };
+    socket.setTimeout(2000, () => done(false));
+    socket.on("error", () => done(false));
+    socket.on("connect", () => socket.write('{"jsonrpc":"2.0","id":1,"method":"ping"}\n'));
+    socket.on("data", (data) => {
+      buffer += data;
+      if (buffer.includes("\n")) done(buffer.includes('"result"'));
+    });
+  });
+}
+
+export class Daemon {
+  constructor({ config = "" } = {}) {
+    this.tmp = mkdtempSync(join(tmpdir(), "sbd-node-"));
+    this.data = join(this.tmp, "data");
+    this.socket = join(this.tmp, "sandboxd.sock");
+    this.logPath = join(this.tmp, "daemon.log");
+    this.configPath = join(this.tmp, "config.yaml");
+    writeFileSync(this.configPath, config);
+    cpSync(TOOLS, join(this.data, "tools"), { recursive: true });
+    this.proc = null;
+  }
+
+  async start(timeoutMs = 30_000) {
+    const python = join(REPO, ".venv", "bin", "python");
+    if (!existsSync(python)) throw new Error(`${python} is missing; run \`make setup\` first`);
+    const log = openSync(this.logPath, "a");
+    this.proc = spawn(
+      python,
+      ["-m", "sandboxd", "serve", "--config", this.configPath, "--data-path", this.data,
+        "--socket", this.socket, "--seed-tools", join(REPO, "seed", "tools")],
+      { cwd: REPO, stdio: ["ignore", log, log], env: { ...process.env, SANDBOXD_SANDBOX_NETWORK: "none" } },
+    );
+    const exited = new Promise((resolveExit) => this.proc.once("exit", (code, signal) => resolveExit(code ?? signal)));
+    this.exited = exited;
+    const deadline = Date.now() + timeoutMs;
+    while (Date.now() < deadline) {
+      if (this.proc.exitCode !== null) throw new Error(`daemon exited with ${this.proc.exitCode}:\n${this.log()}`);
+      if (await pingOnce(this.socket)) return this;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    throw new Error(`daemon did not listen within ${timeoutMs} ms:\n${this.log()}`);
+  }
+
+  async stop(timeoutMs = 40_000) {
+    const proc = this.proc;
+    if (proc === null || proc.exitCode !== null || proc.signalCode !== null) return;
+    proc.kill("SIGTERM");
+    const timer = setTimeout(() => proc.kill("SIGKILL"), timeoutMs);
+    const code = await this.exited;
+    clearTimeout(timer);
+    if (code !== 0) throw new Error(`daemon stopped with ${code}:\n${this.log()}`);
+  }
+
+  /** Die the way a crash does: no answers, no cleanup (the next start removes the orphans). */
+  async kill() {
+    this.proc.kill("SIGKILL");
+    await this.exited;
+  }
+
+  /** Stop, then start again on the same socket and data path. */
+  async restart() {
+    await this.stop();
+    await this.start();
+  }
+
+  userDir(user = USER) {
+    return join(this.data, user);
+  }
+
+  log() {
+    try {
+      return readFileSync(this.logPath, "utf8").slice(-8000);
+    } catch {
+      return "(no log)";
+    }
+  }
+
+  async dispose() {
+    await this.stop();
+    rmSync(this.tmp, { recursive: true, force: true });
+  }
+}
+
+export async function startDaemon(options) {
+  const daemon = new Daemon(options);
+  try {
+    return await daemon.start();
+  } catch (error) {
+    await daemon.dispose().catch(() => {});
+    throw error;
+  }
+}
+
+/** Poll `check` until it returns a truthy value (evidence, not a sleep); fail after timeoutMs. */
+export async function waitFor(check, what, timeoutMs = 20_000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
