@@ -29,7 +29,7 @@ def secure_directory(path: Path, *, mode: int, what: str) -> None:
             continue  # made at the same moment by someone else: the checks below judge it
         os.chmod(directory, mode if directory == path else 0o755)  # exactly, whatever the umask
     info = os.lstat(path)
-    fix = "remove it (as root if need be) and restart, or set `socket` to a path in a directory of your own"
+    fix = "remove it (as root if need be) and restart, or put the socket in a directory of your own"
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise OSError(f"{what} {path} is not a directory but a link or a file, which someone may have put there "
                       f"to capture the socket; {fix}")
