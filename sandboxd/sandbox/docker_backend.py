@@ -45,6 +45,7 @@ from sandboxd.sandbox.backend import (
 )
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
+from sandboxd.service.peercred import peer_credentials
 from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")
@@ -87,9 +88,11 @@ class _ShimListener:
     The parent directory is the daemon's own (0700), so on the host only root and the
     daemon's user can reach the socket; inside the sandbox only the shim connects,
     before any tool code runs, and the listener is gone after that one connection.
+    That connection must come from the sandbox's uid (SO_PEERCRED), or the start fails.
     """
 
-    def __init__(self, parent: Path, instance: str) -> None:
+    def __init__(self, parent: Path, instance: str, uid: int) -> None:
+        self.uid = uid
         self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
         self.dir.mkdir(mode=0o755)
         os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
@@ -110,6 +113,13 @@ class _ShimListener:
 
     async def accept(self) -> socket.socket:
         conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
+        peer = peer_credentials(conn)
+        if peer.uid != self.uid:
+            conn.close()
+            raise BackendUnavailable(
+                f"a process that is not the sandbox's shim (pid {peer.pid}, uid {peer.uid}; the sandbox runs as "
+                f"{self.uid}) connected to its socket {self.dir / SHIM_SOCKET_NAME}; the sandbox was not used"
+            )
         return conn
 
     def close(self) -> None:
@@ -327,7 +337,7 @@ class DockerBackend:
                     f"sandbox.transport is socket, but the Docker engine at {engine} is not on this host; "
                     "set sandbox.transport: attach for a remote engine."
                 )
-            listener = _ShimListener(self.shim_dir(), self.instance)
+            listener = _ShimListener(self.shim_dir(), self.instance, uid=int(self.user.split(":")[0]))
         try:
             return await self._start(spec, listener)
         finally:

@@ -266,3 +266,35 @@ def test_allow_unsafe_changes_live_with_the_sandbox_settings_it_accepts() -> Non
     from sandboxd.config import needs_restart
 
     assert not needs_restart("allow_unsafe") and not needs_restart("sandbox.cap_add")
+
+
+# --- the shim's socket --------------------------------------------------------------------------
+
+def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -> None:
+    import asyncio
+
+    from sandboxd.sandbox.docker_backend import SHIM_SOCKET_NAME, _ShimListener
+
+    async def connect_to(listener: _ShimListener) -> socket.socket:
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(str(listener.dir / SHIM_SOCKET_NAME))
+        try:
+            return await asyncio.wait_for(listener.accept(), 10)
+        finally:
+            client.close()
+
+    async def scenario() -> None:
+        stranger = _ShimListener(tmp_path, "test", uid=NO_ACCOUNT_UID)  # we are not the sandbox's uid
+        try:
+            with pytest.raises(BackendUnavailable, match=rf"not the sandbox's shim \(pid {os.getpid()}, uid "
+                                                         rf"{os.geteuid()}; the sandbox runs as {NO_ACCOUNT_UID}\)"):
+                await connect_to(stranger)
+        finally:
+            stranger.close()
+        own = _ShimListener(tmp_path, "test", uid=os.geteuid())
+        try:
+            (await connect_to(own)).close()
+        finally:
+            own.close()
+
+    asyncio.run(scenario())
