@@ -233,7 +233,10 @@ export async function execute(_id: string, params: { host: string; port: number;
 }
 """
 PORT = 7311
-KNOCK_TIMEOUT_MS = 3000
+# A SYN across a local bridge is answered in well under a millisecond: 2 s of silence is a drop.
+KNOCK_TIMEOUT_MS = 2000
+# The listener waits this long for the knock; it ends sooner once someone connects.
+LISTEN_MS = KNOCK_TIMEOUT_MS + 6000
 
 
 def network_daemon(make_daemon: Any, network: str, config: str = "") -> Daemon:
@@ -253,12 +256,15 @@ def knock(daemon: Daemon, docker_api: Any, network: str) -> tuple[str, dict[str,
     """Alice's tool listens; Bob's tool, in his own sandbox, connects to Alice's address."""
     announced: list[dict[str, Any]] = []
     outcome: dict[str, Any] = {}
+    with daemon.client() as client:  # Bob's sandbox warm first, so his knock comes soon after Alice listens
+        assert text_of(call(client, BOB, "knocker", {"host": "127.0.0.1", "port": PORT, "timeout_ms": 1000})) \
+            == "ECONNREFUSED"
 
     def listen() -> None:
         with daemon.client() as client:
             outcome["listener"] = client.request(
                 "tools/call", {"user": ALICE, "name": "listener",
-                               "arguments": {"port": PORT, "wait_ms": KNOCK_TIMEOUT_MS + 2000}},
+                               "arguments": {"port": PORT, "wait_ms": LISTEN_MS}},
                 on_progress=lambda p: announced.append(json.loads(p["content"][0]["text"])))
 
     thread = threading.Thread(target=listen, daemon=True)
