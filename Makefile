@@ -4,13 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean install uninstall shim-deps
+.PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/)"
 	@echo "make test    every test: unit, shim (node --test) and end-to-end against real Docker"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
+	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension (clients/)"
 	@echo "make shim-deps  the shim's esbuild, for \`sandboxd run --backend process\` without Docker"
 	@echo "make install (as root) install the daemon as a systemd service; see docs/install.md"
 
@@ -31,15 +32,35 @@ image: docker
 serve: setup image
 	$(BIN)/sandboxd serve --data-path $(LOCAL)/data
 
-test: setup image
+test: setup image clients
 	node --test images/node/shim/test/*.test.js
 	$(BIN)/python -m pytest tests
+	$(MAKE) --no-print-directory test-clients
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit
 
 test-shim:
 	node --test images/node/shim/test/*.test.js
+
+# clients/: @sandboxd/client, then @sandboxd/pi (which links it). npm ci runs again only when a lock file changes.
+CLIENT_DIRS := clients/typescript clients/pi
+clients/%/node_modules/.package-lock.json: clients/%/package-lock.json clients/%/package.json
+	cd clients/$* && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+clients/typescript/dist/index.js: clients/typescript/node_modules/.package-lock.json clients/typescript/tsconfig.json $(wildcard clients/typescript/src/*.ts)
+	cd clients/typescript && npm run --silent build
+
+clients/pi/dist/index.js: clients/pi/node_modules/.package-lock.json clients/pi/tsconfig.json $(wildcard clients/pi/src/*.ts) clients/typescript/dist/index.js
+	cd clients/pi && npm run --silent build
+
+clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js)
+
+# Against a real daemon (the repo's .venv) and Docker, like test-e2e.
+test-clients: setup image clients
+	cd clients/typescript && npm test
+	cd clients/pi && npm test
 
 # What the process backend needs when there is no Docker to build the image (docs/tool-development.md).
 shim-deps:
@@ -55,7 +76,7 @@ soak: setup image
 	$(BIN)/python -m pytest tests/soak -m soak -s
 
 clean:
-	rm -rf $(VENV) $(LOCAL) build
+	rm -rf $(VENV) $(LOCAL) build clients/*/node_modules clients/*/dist
 
 
 # -- the daemon as a systemd service (docs/install.md) ---------------------------------
