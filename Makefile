@@ -69,7 +69,7 @@ shim-deps:
 test-e2e: setup image
 	$(BIN)/python -m pytest tests/e2e
 
-bench: setup image
+bench: setup image clients
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 soak: setup image

@@ -31,7 +31,7 @@ from bench.load import throughput
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
-SECTIONS = ("floors", "latency", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
+SECTIONS = ("floors", "latency", "node", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
             "attach", "overhead")
 BENCH_CONFIG = """\
 # Written by `python -m bench`. Defaults everywhere, except room for every benchmark user's sandboxes.
@@ -127,6 +127,9 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
             profiler = _start_profiler(daemon.pid, args.profile)
             out["warm"] = d.warm_latency(daemon, user("warm"), args.calls, warmup=500)
             _stop_profiler(profiler)
+        if "node" not in args.skip:
+            say(f"warm hello latency through @sandboxd/client from Node ({args.calls} sequential calls)")
+            out["node_warm"] = d.node_client_latency(daemon, user("warm"), args.calls, warmup=500)
         if "throughput" not in args.skip:
             out["throughput"] = []
             for n in args.clients:

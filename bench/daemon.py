@@ -198,6 +198,20 @@ def warm_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dic
         conn.close()
 
 
+def node_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dict[str, Any]:
+    """The same warm hello calls through @sandboxd/client in Node: what a pi session (clients/pi) sees."""
+    client = REPO / "clients" / "typescript" / "dist" / "index.js"
+    node = shutil.which("node")
+    if node is None or not client.exists():
+        raise RuntimeError(f"the Node client figure needs node and {client}: run `make clients` (or --skip node)")
+    daemon.settle()
+    done = subprocess.run([node, str(REPO / "bench" / "node_client.mjs"), str(daemon.socket), user, str(count), str(warmup)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/node_client.mjs failed ({done.returncode}): {done.stderr[-2000:]}")
+    return summarize(json.loads(done.stdout)["seconds"])
+
+
 def returning_user(daemon: BenchDaemon, user: str, samples: int, pause_s: float) -> dict[str, Any]:
     """The first call after a pause of a user whose sandbox is warm (called before, within the idle TTL)."""
     template = daemon_call_line(user)

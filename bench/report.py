@@ -69,6 +69,15 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                     _x(ratio(warm.get("p99_ms"), attach.get("p99_ms"))), "≤ 2 ms", _check(warm.get("p99_ms", 1e9) <= 2.0)))
         out.append(("warm hello call, p99.9", _ms(warm.get("p999_ms")), f"raw attach echo {_ms(attach.get('p999_ms'))}",
                     _x(ratio(warm.get("p999_ms"), attach.get("p999_ms"))), "", "—"))
+        node_warm = d.get("node_warm", {})
+        if node_warm:
+            # What a pi session sees: the same calls through the TypeScript client (clients/pi uses it).
+            out.append(("… the same call through @sandboxd/client from Node (pi's path), p50", _ms(node_warm.get("p50_ms")),
+                        f"raw attach echo {_ms(attach.get('p50_ms'))}; Python client {_ms(warm.get('p50_ms'))}",
+                        _x(ratio(node_warm.get("p50_ms"), attach.get("p50_ms"))), "", "—"))
+            out.append(("… and its p99", _ms(node_warm.get("p99_ms")),
+                        f"raw attach echo {_ms(attach.get('p99_ms'))}; Python client {_ms(warm.get('p99_ms'))}",
+                        _x(ratio(node_warm.get("p99_ms"), attach.get("p99_ms"))), "", "—"))
         shim = f.get("shim_attach", {})
         if shim:
             out.append(("… the same hello over a raw attach to the shim (no daemon), p50", _ms(shim.get("p50_ms")),
