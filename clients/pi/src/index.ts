@@ -159,7 +159,7 @@ export function toolDefinition(tool: Tool, client: SandboxdClient, options: Sand
 /** The daemon's inputSchema as a TypeBox schema (enum, optional, default, sensitive carried over). */
 export function toolParameters(schema: InputSchema): TSchema {
   const required = new Set(schema.required ?? []);
-  const properties: Record<string, TSchema> = {};
+  const fields: Array<[string, TSchema]> = [];
   for (const [name, property] of Object.entries(schema.properties ?? {})) {
     const options: Record<string, unknown> = {};
     if (property.description !== undefined) options.description = property.description;
@@ -176,9 +176,10 @@ export function toolParameters(schema: InputSchema): TSchema {
     } else {
       field = Type.String(options);
     }
-    properties[name] = required.has(name) ? field : Type.Optional(field);
+    fields.push([name, required.has(name) ? field : Type.Optional(field)]);
   }
-  return Type.Object(properties, { additionalProperties: false });
+  // fromEntries defines every name as an own property, "__proto__" included.
+  return Type.Object(Object.fromEntries(fields), { additionalProperties: false });
 }
 
 /** The integration variables to pass: the allowed names that are set in `source`. */
