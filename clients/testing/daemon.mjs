@@ -2,7 +2,7 @@
 // starts one: the repo's .venv python, its own data path and socket under a temp dir,
 // the seed tools plus clients/testing/tools, sandboxes on network none.
 
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { cpSync, existsSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import net from "node:net";
 import { tmpdir } from "node:os";
@@ -99,9 +99,25 @@ export class Daemon {
     }
   }
 
+  /** This daemon's containers, by the instance label the daemon gives them (as tests/e2e do). */
+  containers() {
+    const python = join(REPO, ".venv", "bin", "python");
+    const instance = execFileSync(python, ["-c",
+      "import sys; from sandboxd.config import load_config; from sandboxd.server.server import instance_id; "
+      + "print(instance_id(load_config(overrides={'socket': sys.argv[1], 'data_path': sys.argv[2]}, environ={})))",
+      this.socket, this.data], { cwd: REPO, encoding: "utf8" }).trim();
+    const out = execFileSync("docker", ["ps", "-aq", "--filter", `label=org.sandboxd.instance=${instance}`], { encoding: "utf8" });
+    return out.split("\n").filter(Boolean);
+  }
+
+  /** Stop, remove what the daemon left behind, and fail if it left anything. */
   async dispose() {
     await this.stop();
+    const leftovers = this.containers();
+    if (leftovers.length > 0) execFileSync("docker", ["rm", "-f", ...leftovers]);
+    const log = this.log();
     rmSync(this.tmp, { recursive: true, force: true });
+    if (leftovers.length > 0) throw new Error(`the daemon left ${leftovers.length} containers behind:\n${log}`);
   }
 }
 

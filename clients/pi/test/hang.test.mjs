@@ -20,7 +20,7 @@ const TOOL = {
   inputSchema: { type: "object", properties: {}, required: [], additionalProperties: false }, documentation: "# Stuck",
 };
 
-test("a call sandboxd never answers fails at the client's deadline, is cancelled, and the turn goes on", async () => {
+test("a call sandboxd never answers fails at the client's deadline, is cancelled, and the turn goes on", { timeout: 30_000 }, async () => {
   const dir = mkdtempSync(join(tmpdir(), "sbd-hang-"));
   const path = join(dir, "s.sock");
   const received = [];

@@ -109,7 +109,7 @@ test("error codes become typed errors; overloaded is retryable", async () => {
   await server.close();
 });
 
-test("a daemon that never answers: the call fails at its timeout plus grace, and is cancelled", async () => {
+test("a daemon that never answers: the call fails at its timeout plus grace, and is cancelled", { timeout: 20_000 }, async () => {
   const server = await scripted(() => {});
   const client = new SandboxdClient({ socketPath: server.path, deadlineGraceMs: 200 });
   const started = Date.now();
