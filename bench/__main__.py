@@ -153,6 +153,8 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
         if "cold" not in args.skip:
             say(f"first call of a new user ({args.samples} users)")
             out["cold"] = d.cold_first_call(daemon, [user(f"cold{i}") for i in range(args.samples)])
+            say(f"first call of a new user after their session's tools/list ({args.samples} users)")
+            out["listed"] = d.listed_first_call(daemon, [user(f"listed{i}") for i in range(args.samples)])
         if "memory" not in args.skip:
             say("memory of idle sandboxes and of the daemon")
             out["idle_memory"] = d.idle_sandbox_memory(daemon, api, instance)

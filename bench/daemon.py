@@ -228,6 +228,24 @@ def returning_user(daemon: BenchDaemon, user: str, samples: int, pause_s: float)
     return summarize(times)
 
 
+def listed_first_call(daemon: BenchDaemon, users: list[str]) -> dict[str, Any]:
+    """A new user's first call after their session listed their tools (which warms the pool), as pi does."""
+    times = []
+    for user in users:
+        daemon.settle()
+        conn = daemon.connect()
+        try:
+            conn.request("tools/list", {"user": user})
+            daemon.settle()  # the model's first call comes seconds after the session start
+            elapsed, line = _call(conn, daemon_call_line(user), 1)
+            _check_ok(line, f"the first call of {user} after tools/list")
+            times.append(elapsed)
+        finally:
+            conn.close()
+    daemon.settle()
+    return summarize(times)
+
+
 def cold_first_call(daemon: BenchDaemon, users: list[str]) -> dict[str, Any]:
     """The first call of a user never seen before: a sandbox starts on the caller's path."""
     times, reported = [], []

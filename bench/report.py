@@ -113,6 +113,10 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         out.append(("first call of a new user (cold), p50", _ms(cold.get("p50_ms")),
                     f"create→attach→start→reply {_ms(create.get('p50_ms'))}", _x(c), "≤ 1.3× floor",
                     _check(c is not None and c <= 1.3)))
+    listed = d.get("listed", {})
+    if listed:
+        out.append(("first call of a new user after their session's tools/list (warmed), p50", _ms(listed.get("p50_ms")),
+                    f"cold first call {_ms(cold.get('p50_ms'))}", _x(ratio(listed.get("p50_ms"), cold.get("p50_ms"))), "", "—"))
     waits = [w for w in cold.get("queue_ms", []) if w is not None]
     if waits:
         out.append(("… of it waiting for the sandbox to start (daemon's queue_ms), median", _ms(sorted(waits)[len(waits) // 2]),
