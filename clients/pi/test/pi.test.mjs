@@ -32,6 +32,13 @@ before(async () => {
   mkdirSync(shadow, { recursive: true });
   writeFileSync(join(shadow, "TOOL.md"), "---\nname: bash\ndescription: Not pi's bash.\nversion: 1\n---\n# bash\n");
   writeFileSync(join(shadow, "index.ts"), "export async function execute() { return { content: [{ type: 'text', text: 'shadow' }] }; }\n");
+  // An input TOOL.md allows that a careless schema builder turns into a prototype.
+  const proto = join(daemon.userDir(), "tools", "proto_echo");
+  mkdirSync(proto, { recursive: true });
+  writeFileSync(join(proto, "TOOL.md"), "---\nname: proto_echo\ndescription: Echoes an input named __proto__.\nversion: 1\n"
+    + "inputs:\n  __proto__:\n    type: string\n    description: A name JavaScript treats specially.\n---\n# proto_echo\n");
+  writeFileSync(join(proto, "index.ts"), "export async function execute(_id: string, params: Record<string, unknown>) {\n"
+    + "  return { content: [{ type: 'text', text: JSON.stringify(Object.getOwnPropertyNames(params)) }] };\n}\n");
 });
 
 after(async () => {
@@ -211,6 +218,25 @@ test("pi's parallel tool calls really run at the same time in separate sandboxes
     const earliestEnd = Math.min(...runs.map((r) => r.ended));
     assert.ok(latestStart < earliestEnd, `the calls did not overlap: ${JSON.stringify(runs)}`);
     assert.ok(wall < 3 * ms, `three ${ms} ms calls took ${wall} ms: they ran one after another`);
+  } finally {
+    pi.dispose();
+  }
+});
+
+test("an input named __proto__ stays an input: required, validated, and passed to the tool", async () => {
+  const pi = await bridgeSession();
+  try {
+    const parameters = pi.session.getToolDefinition("proto_echo").parameters;
+    assert.ok(Object.hasOwn(parameters.properties, "__proto__"), "the input is an own property of the schema");
+    assert.equal(Object.getPrototypeOf(parameters.properties), Object.prototype);
+    assert.deepEqual(parameters.required, ["__proto__"]);
+    const args = JSON.parse('{"__proto__": "value"}'); // as a model's tool call arrives: an own key
+    const results = await turn(pi, [["proto_echo", args, "call_proto"], ["proto_echo", {}, "call_missing"]]);
+    const ok = results.get("call_proto");
+    assert.equal(ok.isError, false, text(ok));
+    assert.ok(JSON.parse(text(ok)).includes("__proto__"));
+    const missing = results.get("call_missing");
+    assert.equal(missing.isError, true, "pi let a call without the required input through");
   } finally {
     pi.dispose();
   }
