@@ -170,6 +170,35 @@ def test_a_user_tools_root_linked_to_another_users_is_refused(make_daemon: Any) 
     assert f"rm {daemon.user_dir(MALLORY) / 'tools'} && mkdir" in log
 
 
+def test_a_tool_md_that_is_a_fifo_or_a_device_is_never_opened(make_daemon: Any) -> None:
+    import os
+
+    daemon = make_daemon(CONFIG)
+    fifo_tool = write_user_tool(daemon, MALLORY, "fifo", "")
+    (fifo_tool / "TOOL.md").unlink()
+    os.mkfifo(fifo_tool / "TOOL.md")
+    device_tool = write_user_tool(daemon, MALLORY, "device", "")
+    (device_tool / "TOOL.md").unlink()
+    (device_tool / "TOOL.md").symlink_to("/dev/zero")
+    opened = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(fifo_tool / "TOOL.md", os.O_WRONLY)  # returns once a reader opens the FIFO
+        opened.set()
+        os.close(fd)
+
+    threading.Thread(target=writer, daemon=True).start()
+    with daemon.client(timeout=30) as client:
+        names = [tool["name"] for tool in client.request("tools/list", {"user": MALLORY})["tools"]]
+    assert "fifo" not in names and "device" not in names
+    log = wait_for_log(daemon, str(device_tool))
+    assert log.count("TOOL.md is not a regular file") >= 2
+    try:
+        assert not opened.wait(0.5), "the daemon opened the FIFO"
+    finally:
+        os.close(os.open(fifo_tool / "TOOL.md", os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+
+
 # --- bad requests ----------------------------------------------------------------------------
 
 
