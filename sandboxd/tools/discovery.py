@@ -265,6 +265,7 @@ class _Snapshot:
 
 _SCAN_WORKERS = 4  # one scan per root at a time, so one hostile root takes at most one of these
 _MAX_CACHED_USERS = 10_000
+_MAX_CACHED_ROOTS = 10_000  # past this, the scans of empty roots are forgotten (cheap to redo)
 
 
 class ToolCatalog:
@@ -424,7 +425,17 @@ class ToolCatalog:
             if log_skips:  # the daemon's scans: the operator's log says why a tool is not offered
                 _log_new_skips(self._snapshots.get(root), snapshot)
             self._snapshots[root] = snapshot
+            if len(self._snapshots) > _MAX_CACHED_ROOTS:
+                self._forget_empty_roots(keep=root)
             return snapshot
+
+    def _forget_empty_roots(self, keep: Path) -> None:
+        """A client naming endless users (each a root without tools) must not grow the caches forever."""
+        for root in [root for root, snapshot in self._snapshots.items()
+                     if root != keep and not snapshot.tools and not snapshot.skipped]:
+            self._snapshots.pop(root, None)
+            with self._locks_lock:
+                self._root_locks.pop(root, None)
 
     def _root_entries(self, root: Path, source: Source) -> tuple[list[str], list[Problem]]:
         """The names a scan reads (at most MAX_ENTRIES_PER_ROOT), and problems with the root itself."""
