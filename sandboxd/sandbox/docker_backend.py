@@ -405,7 +405,7 @@ class DockerBackend:
         sandbox.shim_transport, _ = await loop.create_connection(lambda: _ShimSocketProtocol(sandbox), sock=conn)
 
     async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
-        sandbox.destroying = True
+        sandbox.drain()
         sandbox.channel.shutdown()
         sandbox.close_transports()
         await self._remove_quiet(sandbox.container_id)

@@ -143,7 +143,7 @@ class ProcessBackend:
         return sandbox
 
     async def destroy(self, sandbox: Any) -> None:
-        sandbox.destroying = True
+        sandbox.drain()  # wait() below returns only once both pipes reached their ends
         self._live.discard(sandbox)
         try:
             os.killpg(sandbox.process.pid, signal.SIGKILL)

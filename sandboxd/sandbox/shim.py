@@ -277,6 +277,8 @@ class ShimSandbox:
 
     def _spend(self, size: int) -> None:
         """Charge output to the budget: an empty bucket pauses reading, idle output past its allowance breaks."""
+        if self.destroying:
+            return  # drained to its end, see drain()
         limits = self._limits
         if not self.channel.busy:
             self._idle_output += size
@@ -307,6 +309,19 @@ class ShimSandbox:
         self._output_paused = False
         self._apply_reading()
 
+    def drain(self) -> None:
+        """The sandbox is being destroyed: read its streams to their ends, unthrottled.
+
+        A paused stream never sees its end, and the end is how a backend learns the
+        sandbox is gone (the process backend's wait() needs every pipe closed).
+        """
+        self.destroying = True
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+        self._client_paused = self._output_paused = False
+        self._apply_reading()
+
     def _broken(self, error: SandboxFailed) -> None:
         """The channel found the sandbox hostile: tell the pool now, so an idle one is destroyed at once."""
         if self.destroying:
@@ -319,8 +334,7 @@ class ShimSandbox:
         if self._exited:
             return
         self._exited = True
-        if self._refill is not None:
-            self._refill.cancel()
+        # The refill timer keeps running: the output stream must still reach its end, at the rate.
         if self.destroying:
             self.channel.close(SandboxFailed("the sandbox was stopped by sandboxd."))
             return

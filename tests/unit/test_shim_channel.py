@@ -6,13 +6,15 @@ import asyncio
 import io
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sandboxd.errors import SandboxFailed
 from sandboxd.logging import configure_logging, secret_values
-from sandboxd.sandbox.backend import CallRequest, OutputLimits
+from sandboxd.sandbox.backend import CallRequest, OutputLimits, SandboxSpec
+from sandboxd.sandbox.process_backend import ProcessBackend
 from sandboxd.sandbox.shim import ShimChannel, ShimSandbox
 
 
@@ -242,3 +244,33 @@ def test_tool_output_is_logged_masked_with_every_call_secret(tmp_path: Any) -> N
     configure_logging("info", "json", io.StringIO())
     assert "tok-first-call" not in logged and "tok-second-call" not in logged
     assert logged.count("***") == 3, logged
+
+
+def test_the_process_backend_slows_a_flooding_tool_to_the_rate(tmp_path: Path) -> None:
+    # The one real-node test here: the process backend's pumps honour _reading. 2 MiB past a
+    # 256 KiB burst at 1 MiB/s take at least (2 - 0.25 - what the pipes hold) s; unthrottled, milliseconds.
+    tool = tmp_path / "tools" / "flood"
+    tool.mkdir(parents=True)
+    (tool / "index.ts").write_text(
+        "export async function execute() {\n"
+        "  const chunk = ('x'.repeat(1023) + '\\n').repeat(64);\n"
+        "  const started = Date.now();\n"
+        "  for (let i = 0; i < 32; i++) process.stderr.write(chunk);\n"
+        "  return { content: [{ type: 'text', text: String(Date.now() - started) }] };\n"
+        "}\n")
+    limits = OutputLimits(output_rate_bytes=1 << 20, output_burst_bytes=256 << 10, idle_output_bytes=1 << 20)
+
+    async def main() -> int:
+        backend = ProcessBackend(max_line_bytes=1 << 20)
+        spec = SandboxSpec("alice@example.com", tmp_path / "tools", tmp_path / "user", tmp_path / "user" / "tools", None)
+        sandbox = await backend.start(spec)
+        try:
+            request = CallRequest("c1", str(tool / "index.ts"), {}, output_limits=limits)
+            result = await asyncio.wait_for(sandbox.call(request, lambda _c: None), 30)
+            assert sandbox.alive
+            return int(result["content"][0]["text"])
+        finally:
+            # Destroy drains the paused pipes: without that, wait() never returns.
+            await asyncio.wait_for(backend.close(), 30)
+
+    assert asyncio.run(main()) >= 1000
