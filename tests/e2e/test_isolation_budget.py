@@ -192,3 +192,22 @@ def test_secrets_never_reach_the_log_at_debug(tmp_path: Path, docker_api: Any) -
         leaked = [secret.split("-")[0] for secret in secrets if secret in log]
         assert not leaked, f"secrets reached the daemon's log: {leaked}"
         assert "thrown: token=*** password=***" in log and "late timer: token=***" in log, "stderr was not logged masked"
+
+
+# -- the attach transport (protocol and output on one stream) ------------------------------
+
+
+def test_over_attach_output_is_throttled_and_a_stray_line_still_breaks_the_sandbox(tmp_path: Path, docker_api: Any) -> None:
+    attacker = "mallory.attach@example.com"
+    config = HOSTILE_CONFIG.replace("sandbox:\n", "sandbox:\n  transport: attach\n", 1)
+    with module_daemon(tmp_path, docker_api, config=config) as daemon:
+        with daemon.client() as client:
+            # Pausing the one stream pauses the protocol too: the answer still comes, after the flood.
+            result = call(client, attacker, "output_flood", {"stream": "stderr", "mb": 24}, timeoutMs=60000)
+            assert result["status"] == "ok" and result["details"]["writeMs"] >= 3000, result
+            assert call(client, attacker, "hello", {"name": "after"})["status"] == "ok"
+            result = call(client, attacker, "protocol_stray", {"what": "idle_line"})
+            assert result["status"] == "ok", result
+        wait_until(lambda: sandbox_gone(daemon, docker_api, attacker, text_of(result)), 15,
+                   "the sandbox that forged a protocol line while idle to be removed")
+        assert_pool_recovers(daemon, docker_api, attacker)
