@@ -244,7 +244,10 @@ class ShimSandbox:
         self._apply_reading()
 
     def _apply_reading(self) -> None:
-        self._reading(protocol=not self._client_paused, output=not self._output_paused)
+        if self.destroying:  # read to the end whatever asks otherwise (see drain)
+            self._reading(protocol=True, output=True)
+        else:
+            self._reading(protocol=not self._client_paused, output=not self._output_paused)
 
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
@@ -319,7 +322,6 @@ class ShimSandbox:
         if self._refill is not None:
             self._refill.cancel()
             self._refill = None
-        self._client_paused = self._output_paused = False
         self._apply_reading()
 
     def _broken(self, error: SandboxFailed) -> None:

@@ -225,6 +225,21 @@ def test_the_clients_pause_stops_the_protocol_stream_only() -> None:
     asyncio.run(main())
 
 
+def test_a_sandbox_being_destroyed_is_read_to_its_end_whatever_asks() -> None:
+    async def main() -> None:
+        sandbox = RecordingSandbox()
+        sandbox.start_call(OutputLimits(output_rate_bytes=1024, output_burst_bytes=1024, idle_output_bytes=1 << 20))
+        sandbox.stderr_data(b"x" * 4096)  # the bucket is empty: output paused
+        sandbox.pause_reading()  # and the client reads no more
+        assert sandbox.reading[-1] == (False, False)
+        sandbox.drain()
+        sandbox.pause_reading()
+        sandbox.stderr_data(b"x" * 4096)
+        assert sandbox.reading[-2:] == [(True, True), (True, True)]  # a paused stream would hide its end
+
+    asyncio.run(main())
+
+
 def test_tool_output_is_logged_masked_with_every_call_secret(tmp_path: Any) -> None:
     async def main() -> str:
         stream = io.StringIO()
