@@ -146,7 +146,12 @@ class Pool:
         The user counts as active from here, as after a call, so the idle TTL applies; nothing
         is evicted for it and nobody waits for it.
         """
-        if self._closing:
+        if self._closing or self.config.min_idle == 0:
+            return
+        if user not in self._last_call and len(self._sandboxes) >= self.config.max_total:
+            # A full pool warms nobody new, and keeps no trace of them: listing costs no
+            # sandbox, so a client could name endless made-up users, each one more entry
+            # that every _plan walks.
             return
         self._last_call[user] = self._clock()
         self._apply(self._plan())

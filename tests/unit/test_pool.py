@@ -379,3 +379,24 @@ def test_warm_never_evicts_and_does_nothing_without_min_idle_or_while_closing() 
         assert backend.sandboxes == {}
 
     run(main())
+
+
+def test_warm_on_a_full_pool_leaves_no_trace_of_the_user() -> None:
+    async def main() -> None:
+        clock = Clock()
+        backend = FakeBackend()
+        pool = make_pool(backend, clock, max_total=1, min_idle=1, idle_ttl_s=60)
+        pool.warm("a@x.io")
+        await settle()
+        clock.now += 50
+        for i in range(1000):  # a client listing for made-up users while the pool is full
+            pool.warm(f"made-up-{i}@x.io")
+        clock.now += 11
+        pool.maintain()  # alice went quiet: her sandbox goes, and none of the made-up users get one
+        await settle()
+        pool.maintain()
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 0, stopping: 0, waiting: 0]>"
+        assert backend.starts == 1
+
+    run(main())
