@@ -35,7 +35,7 @@ serve: setup image
 test: setup image clients
 	node --test images/node/shim/test/*.test.js
 	$(BIN)/python -m pytest tests
-	$(MAKE) --no-print-directory test-clients
+	$(CLIENT_TESTS)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit
@@ -58,9 +58,9 @@ clients/pi/dist/index.js: clients/pi/node_modules/.package-lock.json clients/pi/
 clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js)
 
 # Against a real daemon (the repo's .venv) and Docker, like test-e2e.
+CLIENT_TESTS = cd clients/typescript && npm test && cd ../pi && npm test
 test-clients: setup image clients
-	cd clients/typescript && npm test
-	cd clients/pi && npm test
+	$(CLIENT_TESTS)
 
 # What the process backend needs when there is no Docker to build the image (docs/tool-development.md).
 shim-deps:

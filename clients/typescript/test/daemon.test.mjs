@@ -88,7 +88,9 @@ test("the daemon restarts: a call in flight is answered cancelled, the next call
   await daemon.restart();
   const result = await inFlight;
   assert.equal(result.status, "cancelled");
-  assert.match(result.content[0].text, /shutting down/);
+  // Either the tool settled on its AbortSignal, or the daemon killed it (a shutdown leaves no grace).
+  const words = result.content[0].text;
+  assert.ok(/shutting down/.test(words) || JSON.parse(words).aborted === true, words);
   assert.equal((await client.callTool({ user: USER, name: "echo", arguments: { text: "again" } })).content[0].text, "again");
 });
 
