@@ -88,9 +88,9 @@ class CallsConfig(_Section):
     max_progress_bytes: int = Field(64 << 20, ge=1024, description="Bytes of progress content one call may send; past it the call is crashed and its sandbox replaced.")
     output_rate_bytes: int = Field(1 << 20, ge=1024, description="Bytes per second of tool output (stderr, stdout) a sandbox may write; faster writers are slowed down.")
     output_burst_bytes: int = Field(4 << 20, ge=1024, description="Tool output a sandbox may write at once before output_rate_bytes applies.")
-    # Above what the pipes and sockets between a tool and the daemon hold, which may still
-    # arrive after the call's answer.
-    idle_output_bytes: int = Field(1 << 20, ge=4096, description="Tool output a sandbox may write while no call runs; past it the sandbox is replaced.")
+    # Well above what the pipes and sockets between a tool and the daemon hold (672 KiB
+    # measured), which may still arrive after the call's answer.
+    idle_output_bytes: int = Field(4 << 20, ge=4096, description="Tool output a sandbox may write while no call runs; past it the sandbox is replaced.")
 
 
 class PoolConfig(_Section):

@@ -54,7 +54,7 @@ class OutputLimits:
 
     output_rate_bytes: int = 1 << 20  # per second, refilling the bucket
     output_burst_bytes: int = 4 << 20  # the bucket's size
-    idle_output_bytes: int = 1 << 20  # allowed while no call runs, per idle period
+    idle_output_bytes: int = 4 << 20  # allowed while no call runs, per idle period
 
 
 @dataclass(frozen=True)
