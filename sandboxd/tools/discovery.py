@@ -354,7 +354,9 @@ class ToolCatalog:
                 return snapshot
             # Joined by every request for this root meanwhile: a hostile root occupies one worker.
             future = self._inflight.get(root)
-            if future is None:
+            # A done one is still here until its callback runs, and awaiting a done future does
+            # not yield: without a fresh scan this loop would spin the event loop forever.
+            if future is None or future.done():
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(_SCAN_WORKERS, thread_name_prefix="sandboxd-scan")
                 future = asyncio.wrap_future(self._executor.submit(self._scan, root, source, log_skips=True))

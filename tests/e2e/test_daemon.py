@@ -16,6 +16,7 @@ import pytest
 from sandboxd.client import Client, RpcError
 
 from tests.e2e.conftest import REPO, Daemon, write_tool
+from tests.e2e.hostile_harness import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -72,9 +73,15 @@ def test_hello_round_trip_and_warm_pool(daemon: Daemon) -> None:
         assert result["content"] == [{"type": "text", "text": "Hello, World!"}]
         assert result["status"] == "ok" and result["isError"] is False
         assert isinstance(result["durationMs"], int)
-        time.sleep(1.5)  # min_idle warms a spare sandbox in the background
-        totals = client.request("sandbox/status")["pool"]["totals"]
-        assert totals["idle"] >= 1 and totals["busy"] == 0
+
+        # min_idle (1) counts spares beside the busy ones: while the call ran, a spare started,
+        # so two are idle now. Without min_idle only the one the call used would be.
+        def warmed() -> dict[str, Any] | None:
+            pool = client.request("sandbox/status")["pool"]
+            return pool if pool["totals"]["idle"] == 2 else None
+
+        pool = wait_until(warmed, 30, "min_idle to warm a spare sandbox")
+        assert pool["totals"]["busy"] == 0 and pool["counters"]["started"] == 2
 
 
 def test_cli_call_prints_the_result(daemon: Daemon) -> None:

@@ -172,8 +172,10 @@ def test_thousands_of_connections_opened_and_dropped(daemon: Daemon, docker_api:
     with daemon.client() as client:
         assert call(client, BYSTANDER_A, "hello", {"name": "warm"})["status"] == "ok"
     fds_before = open_fds(daemon)
+    # Ten minutes of sleep and deadline: only the disconnect can end these calls within the wait below.
     call_line = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                            "params": {"user": BYSTANDER_A, "name": "sleeper", "arguments": {"ms": 5000}}}).encode() + b"\n"
+                            "params": {"user": BYSTANDER_A, "name": "sleeper", "arguments": {"ms": 600000},
+                                       "timeoutMs": 600000}}).encode() + b"\n"
     for i in range(2000):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         for _ in range(200):

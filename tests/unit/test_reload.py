@@ -33,7 +33,7 @@ def test_which_keys_need_a_restart(key: str, restart: bool) -> None:
     assert needs_restart(key) is restart
 
 
-def run(tmp_path: Path, test: Any, **settings: Any) -> None:
+def run(tmp_path: Path, test: Any, *, tool: Any = handler, **settings: Any) -> None:
     base = {"data_path": tmp_path / "data", "socket": Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock",
             "seed_tools": None, "backend": "fake"}
 
@@ -42,7 +42,7 @@ def run(tmp_path: Path, test: Any, **settings: Any) -> None:
 
     async def main() -> None:
         hello_tree(tmp_path / "data")
-        server = Server(configure(), FakeBackend(handler))
+        server = Server(configure(), FakeBackend(tool))
         await server.startup()
         try:
             await test(server, configure)
@@ -85,22 +85,32 @@ def test_live_keys_apply_and_restart_keys_are_kept(tmp_path: Path) -> None:
 
 
 def test_new_sandbox_settings_replace_idle_sandboxes_now_and_busy_ones_after_their_call(tmp_path: Path) -> None:
+    release = asyncio.Event()
+
+    async def gated(request: Any, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        if request.arguments["name"] == "gated":
+            await release.wait()  # busy until the test lets it finish, well within its deadline
+        return await handler(request, on_progress, aborted)
+
     async def test(server: Server, configure: Any) -> None:
         backend = server.backend
         await call(server, "World")  # leaves one idle sandbox (min_idle 1)
-        slow = asyncio.get_running_loop().create_task(call(server, "slow", timeoutMs=200))
-        await asyncio.sleep(0.05)  # the second sandbox is busy with the slow call
+        busy = asyncio.get_running_loop().create_task(call(server, "gated"))
+        await asyncio.sleep(0.05)  # the second sandbox is busy with the gated call
         before = set(backend.sandboxes)
         assert len(before) == 2
         server.apply_config(configure(sandbox={"memory": "512m"}, pool={"min_idle": 1}))
         await asyncio.sleep(0.05)
         assert len(backend.destroyed) == 1  # the idle one, at once
-        await slow  # times out: its sandbox goes too
+        assert len(before & set(backend.sandboxes)) == 1  # the busy one is left to finish its call
+        release.set()
+        reply = await busy
+        assert reply["result"]["status"] == "ok"  # it was not failed or timed out: only the reload retires it
         await asyncio.sleep(0.05)
         assert before.isdisjoint(backend.sandboxes)
         assert len(backend.sandboxes) == 1  # min_idle, under the new settings
 
-    run(tmp_path, test, pool={"min_idle": 1})
+    run(tmp_path, test, tool=gated, pool={"min_idle": 1})
 
 
 def test_a_bad_file_keeps_the_running_configuration(tmp_path: Path) -> None:
