@@ -52,7 +52,8 @@ export class Daemon {
       python,
       ["-m", "sandboxd", "serve", "--config", this.configPath, "--data-path", this.data,
         "--socket", this.socket, "--seed-tools", join(REPO, "seed", "tools")],
-      { cwd: REPO, stdio: ["ignore", log, log], env: { ...process.env, SANDBOXD_SANDBOX_NETWORK: "none" } },
+      // PYTHONFAULTHANDLER: a daemon that will not stop is sent SIGABRT first, which writes every thread's stack to its log.
+      { cwd: REPO, stdio: ["ignore", log, log], env: { ...process.env, SANDBOXD_SANDBOX_NETWORK: "none", PYTHONFAULTHANDLER: "1" } },
     );
     const exited = new Promise((resolveExit) => this.proc.once("exit", (code, signal) => resolveExit(code ?? signal)));
     this.exited = exited;
@@ -69,9 +70,9 @@ export class Daemon {
     const proc = this.proc;
     if (proc === null || proc.exitCode !== null || proc.signalCode !== null) return;
     proc.kill("SIGTERM");
-    const timer = setTimeout(() => proc.kill("SIGKILL"), timeoutMs);
+    const timers = [setTimeout(() => proc.kill("SIGABRT"), timeoutMs), setTimeout(() => proc.kill("SIGKILL"), timeoutMs + 5000)];
     const code = await this.exited;
-    clearTimeout(timer);
+    timers.forEach(clearTimeout);
     if (code !== 0) throw new Error(`daemon stopped with ${code}:\n${this.log()}`);
   }
 
