@@ -301,6 +301,7 @@ class Server:
             if conn.transport is not None:
                 conn.transport.close()
         await self.backend.close()
+        self.catalog.close()  # a scan still running in a worker is not waited for
         log.info("stopped")
 
 
