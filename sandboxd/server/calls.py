@@ -224,6 +224,16 @@ class CallRunner:
         asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
 
+    def count_refused(self, params: Any, exc: SandboxdError) -> None:
+        """A call refused before its params were read (the daemon stopping): counted and logged like the rest.
+
+        Not in the metrics: they stop being served when shutdown begins, before any such refusal.
+        """
+        status = _ERROR_STATUS.get(type(exc), "internal_error")
+        self.counts[status] = self.counts.get(status, 0) + 1
+        name = params.get("name") if isinstance(params, dict) else None
+        log.info("call", tool=name[:200] if isinstance(name, str) else None, status=status, error=exc.message)
+
     def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
         """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
         self.counts[status] = self.counts.get(status, 0) + 1

@@ -249,7 +249,9 @@ class Connection(asyncio.Protocol):
         if request_id in self.calls:
             raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
         if server.stopping:
-            raise server.shutting_down_error()
+            refusal = server.shutting_down_error()
+            server.runner.count_refused(params, refusal)
+            raise refusal
         try:
             call = parse_call_params(params, server.catalog, server.config, since=arrived)
         except ScanNeeded:
