@@ -1,8 +1,8 @@
 """Faults around the daemon: it is SIGKILLed mid-call, a container is killed from
 outside, the Docker engine restarts under load.
 
-The engine restart stops the host's dockerd (SIGTERM) and starts it again the way
-scripts/ensure-docker.sh does; it is marked `engine_restart` so that it can be
+The engine restart stops the host's dockerd (through systemctl when systemd runs it,
+else by SIGTERM) and starts it again the same way (scripts/ensure-docker.sh's); it is marked `engine_restart` so that it can be
 deselected (`-m "not engine_restart"`) on a machine whose engine others use, and
 it always leaves an engine running, even when it fails.
 """
@@ -132,14 +132,38 @@ def start_dockerd() -> None:
         time.sleep(0.5)
 
 
+def systemd_runs_docker() -> bool:
+    try:
+        return subprocess.run(["systemctl", "is-active", "--quiet", "docker"], capture_output=True).returncode == 0
+    except FileNotFoundError:  # no systemctl: no systemd
+        return False
+
+
 @contextlib.contextmanager
 def engine_stopped() -> Iterator[None]:
-    """Stop the host's dockerd; whatever happens, it runs again afterwards."""
+    """Stop the host's dockerd; whatever happens, it runs again afterwards.
+
+    Under systemd through systemctl (stopping dockerd by hand would fight its restart
+    policy), else by SIGTERM and started again as scripts/ensure-docker.sh does. Never a
+    skip: deselect the test (-m "not engine_restart") where the engine must not restart.
+    """
+    if os.geteuid() != 0:
+        pytest.fail("restarting the Docker engine needs root; run as root or deselect with -m 'not engine_restart'")
+    if systemd_runs_docker():
+        # docker.socket too: a socket-activated engine would otherwise be started again by the next request.
+        stop = subprocess.run(["systemctl", "stop", "docker.socket", "docker"], capture_output=True, text=True)
+        assert stop.returncode == 0, f"systemctl stop docker failed: {stop.stderr}"
+        try:
+            wait_until(lambda: not engine_up(), 60, "the Docker engine to stop")
+            yield
+        finally:
+            subprocess.run(["systemctl", "start", "docker.socket", "docker"], capture_output=True)
+            wait_until(engine_up, 90, "the Docker engine to answer again under systemd")
+        return
     pids = dockerd_pids()
-    if os.geteuid() != 0 or len(pids) != 1:
-        pytest.skip("needs root and exactly one dockerd started by hand (no systemd) to restart the engine")
-    if subprocess.run(["systemctl", "is-active", "--quiet", "docker"], capture_output=True).returncode == 0:
-        pytest.skip("the engine is managed by systemd here; restarting it by hand would fight systemd")
+    if len(pids) != 1:
+        pytest.fail(f"expected exactly one dockerd to restart, found {len(pids)} ({pids}); "
+                    "deselect with -m 'not engine_restart' on this machine")
     try:
         os.kill(pids[0], signal.SIGTERM)
         deadline = time.monotonic() + 60
