@@ -44,6 +44,14 @@ def call(client: Client, name: str, arguments: dict[str, Any] | None = None, use
     return client.call_tool(user, name, arguments or {}, **extra)
 
 
+def start_running(client: Client, request_id: Any, name: str, arguments: dict[str, Any], user: str = A) -> None:
+    """Start a call of a tool that reports progress first (announcer, stubborn); return once it runs."""
+    client.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                 "params": {"user": user, "name": name, "arguments": arguments}})
+    message = client.read_message()
+    assert message.get("method") == "notifications/progress", f"{name} answered before it said it runs: {message}"
+
+
 # -- the basics -------------------------------------------------------------------
 
 
@@ -143,12 +151,16 @@ def test_progress_notifications_in_order_before_the_result(daemon: Daemon) -> No
 def test_many_calls_in_flight_answer_out_of_order(make_daemon: Any) -> None:
     daemon = make_daemon("pool:\n  max_per_user: 3\n")
     with daemon.client() as client:
-        for request_id, ms in ((1, 1500), (2, 600), (3, 10)):
-            client.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
-                         "params": {"user": A, "name": "sleeper", "arguments": {"ms": ms}}})
-        order = [client.read_message()["id"] for _ in range(3)]
-        assert sorted(order) == [1, 2, 3]
-        assert order[0] != 1  # the long one does not block the short ones
+        # Evidence, not a race of cold starts against sleeps: the long call runs (it said so)
+        # for a minute, and the short ones sent after it answer first.
+        start_running(client, 1, "announcer", {"ms": 60000})
+        client.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"user": A, "name": "sleeper", "arguments": {"ms": 10}}})
+        client.send({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                     "params": {"user": A, "name": "hello", "arguments": {"name": "x"}}})
+        assert sorted(client.read_message()["id"] for _ in range(2)) == [2, 3]
+        client.cancel(1)
+        assert client.read_message()["result"]["details"]["aborted"] is True  # still running till then
         assert client.request("ping") == {}
 
 
@@ -318,9 +330,7 @@ def test_timeout_replaces_the_sandbox_and_next_call_is_served(make_daemon: Any) 
 def test_cancel_reaches_the_tools_signal(daemon: Daemon) -> None:
     with daemon.client() as client:
         call(client, "hello", {"name": "warm"})
-        client.send({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                     "params": {"user": A, "name": "sleeper", "arguments": {"ms": 60000}}})
-        time.sleep(0.5)
+        start_running(client, 7, "announcer", {"ms": 60000})
         client.cancel(7, "user pressed stop")
         client.cancel(999, "unknown ids are ignored")
         reply = client.read_message()
@@ -335,9 +345,7 @@ def test_cancel_reaches_the_tools_signal(daemon: Daemon) -> None:
 def test_tool_ignoring_abort_is_killed_after_grace(make_daemon: Any) -> None:
     daemon = make_daemon("calls:\n  cancel_grace_ms: 500\n")
     with daemon.client() as client:
-        client.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                     "params": {"user": A, "name": "stubborn", "arguments": {}}})
-        time.sleep(1.0)
+        start_running(client, 1, "stubborn", {})
         started = time.monotonic()
         client.cancel(1)
         result = client.read_message()["result"]
@@ -350,9 +358,7 @@ def test_tool_ignoring_abort_is_killed_after_grace(make_daemon: Any) -> None:
 def test_disconnect_frees_the_sandbox(make_daemon: Any) -> None:
     daemon = make_daemon("pool:\n  max_per_user: 1\n  min_idle: 0\n  acquire_timeout_ms: 5000\n")
     leaving = daemon.client()
-    leaving.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                  "params": {"user": A, "name": "sleeper", "arguments": {"ms": 60000}}})
-    time.sleep(1.5)
+    start_running(leaving, 1, "announcer", {"ms": 60000})  # alice's one sandbox is taken
     leaving.close()
     with daemon.client() as client:
         started = time.monotonic()

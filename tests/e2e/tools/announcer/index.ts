@@ -7,5 +7,5 @@ export async function execute(toolCallId: string, params: { ms: number }, signal
     signal?.addEventListener("abort", () => { clearTimeout(timer); resolve(true); });
   });
   return { content: [{ type: "text", text: aborted ? `aborted: ${String(signal?.reason)}` : "slept" }],
-           details: { toolCallId, aborted } };
+           details: { toolCallId, aborted, reason: aborted ? String(signal?.reason) : "" } };
 }
