@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build the runner image sandboxd/node:$(cat VERSION) (what `make image` runs).
-#   1. the base image: SANDBOXD_BASE_IMAGE, default the registry-free
-#      sandboxd/node-base:bookworm-node20, built by build-base.sh when missing;
+#   1. the base image: SANDBOXD_BASE_IMAGE if set; else the official
+#      node:20-bookworm-slim when present locally (never pulled: `docker pull` it
+#      first to use it); else the registry-free sandboxd/node-base:bookworm-node20,
+#      built by build-base.sh when missing. Said on stderr and in the image's
+#      label org.sandboxd.base;
 #   2. the shim's node_modules: `npm ci` from the committed lock file, skipped when
 #      the lock file has not changed since the last install;
 #   3. docker build (layer cache: fast when nothing changed).
@@ -11,7 +14,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VERSION=$(tr -d ' \n' < "$HERE/VERSION")
 TAG="sandboxd/node:$VERSION"
-BASE=${SANDBOXD_BASE_IMAGE:-sandboxd/node-base:bookworm-node20}
+OFFICIAL_BASE=node:20-bookworm-slim
 SHIM="$HERE/shim"
 
 log() { echo "build: $*" >&2; }
@@ -20,7 +23,17 @@ die() { echo "build: error: $*" >&2; exit 1; }
 docker info >/dev/null 2>&1 || die "the Docker engine is not reachable (docker info failed)"
 start=$(date +%s)
 
-# 1. base image
+# 1. base image. No pull: where no registry answers, a pull can hang for a minute on
+# DNS and TCP timeouts, and whoever has a registry can pull the image once themselves.
+if [ -n "${SANDBOXD_BASE_IMAGE:-}" ]; then
+  BASE=$SANDBOXD_BASE_IMAGE why="SANDBOXD_BASE_IMAGE"
+elif docker image inspect "$OFFICIAL_BASE" >/dev/null 2>&1; then
+  BASE=$OFFICIAL_BASE why="the official image, present locally"
+else
+  BASE=sandboxd/node-base:bookworm-node20
+  why="registry-free, debootstrap; no $OFFICIAL_BASE locally (docker pull it to build FROM it)"
+fi
+log "base image $BASE ($why)"
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   case "$BASE" in
     sandboxd/node-base:*) bash "$HERE/build-base.sh" --tag "$BASE" >/dev/null ;;
@@ -47,6 +60,7 @@ log "docker build $TAG (base $BASE)"
 docker build \
   --build-arg "BASE=$BASE" \
   --build-arg "VERSION=$VERSION" \
+  --label "org.sandboxd.base=$BASE" \
   -t "$TAG" "$HERE" >&2
 
 size=$(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')

@@ -1,0 +1,95 @@
+"""A newcomer's machine (issue 18): Docker already running, debootstrap missing, a base image
+picked from what is there; a rootless engine said at start.
+
+The scripts run against stub `docker`, `apt-get` and `id` on a PATH that hides the real
+ones (and debootstrap), so the test touches no real package or image.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def run_ensure_docker(tmp_path: Path, *, uid: int, engine_up: bool) -> tuple[subprocess.CompletedProcess[str], str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    stub(bin_dir, "docker", f'echo "docker $*" >> {calls}\n[ "$1" = info ] && exit {0 if engine_up else 1}\nexit 0')
+    stub(bin_dir, "apt-get", f'echo "apt-get $*" >> {calls}')
+    stub(bin_dir, "id", f"echo {uid}")
+    # Only the stubs: no debootstrap, no dockerd, no sudo.
+    proc = subprocess.run(["/bin/bash", str(REPO / "scripts" / "ensure-docker.sh")], env={"PATH": str(bin_dir)},
+                          capture_output=True, text=True, timeout=60)
+    return proc, calls.read_text() if calls.exists() else ""
+
+
+def test_a_running_docker_still_gets_debootstrap_installed_as_root(tmp_path: Path) -> None:
+    proc, calls = run_ensure_docker(tmp_path, uid=0, engine_up=True)
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in calls.splitlines() if line.startswith("apt-get install")]
+    assert len(installs) == 1 and "debootstrap" in installs[0].split(), calls
+    assert "docker.io" not in installs[0], "the engine answers: no engine is installed"
+
+
+def test_a_running_docker_without_root_says_debootstrap_is_missing_and_goes_on(tmp_path: Path) -> None:
+    proc, calls = run_ensure_docker(tmp_path, uid=1000, engine_up=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "apt-get" not in calls
+    assert "debootstrap is missing" in proc.stderr and "apt-get install debootstrap" in proc.stderr
+
+
+def run_build(tmp_path: Path, *, official_present: bool, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    # Every image "exists" except the official one when absent; `docker build` is recorded, not run.
+    stub(bin_dir, "docker", f"""echo "docker $*" >> {calls}
+if [ "$1 $2" = "image inspect" ]; then
+  for arg in "$@"; do [ "$arg" = node:20-bookworm-slim ] && exit {0 if official_present else 1}; done
+  case "$*" in *{{{{.Size}}}}*) echo 100000000 ;; esac
+fi
+exit 0""")
+    environ = {k: v for k, v in os.environ.items() if k != "SANDBOXD_BASE_IMAGE"}
+    environ["PATH"] = f"{bin_dir}:{environ['PATH']}"
+    proc = subprocess.run(["/bin/bash", str(REPO / "images" / "node" / "build.sh")], env={**environ, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+    return proc, calls.read_text() if calls.exists() else ""
+
+
+def built_with(calls: str) -> str:
+    return next(line for line in calls.splitlines() if line.startswith("docker build "))
+
+
+def test_build_uses_the_official_node_image_when_it_is_present(tmp_path: Path) -> None:
+    proc, calls = run_build(tmp_path, official_present=True)
+    assert proc.returncode == 0, proc.stderr
+    build = built_with(calls)
+    assert "BASE=node:20-bookworm-slim" in build and "org.sandboxd.base=node:20-bookworm-slim" in build, build
+    assert "base image node:20-bookworm-slim (the official image, present locally)" in proc.stderr
+    assert "docker pull" not in calls, "never pull: no registry may be reachable"
+
+
+def test_build_falls_back_to_the_registry_free_base_and_says_so(tmp_path: Path) -> None:
+    proc, calls = run_build(tmp_path, official_present=False)
+    assert proc.returncode == 0, proc.stderr
+    build = built_with(calls)
+    assert "BASE=sandboxd/node-base:" in build and "org.sandboxd.base=sandboxd/node-base:" in build, build
+    assert "no node:20-bookworm-slim locally" in proc.stderr
+    assert "docker pull" not in calls
+
+
+def test_build_honours_sandboxd_base_image_over_the_official_one(tmp_path: Path) -> None:
+    proc, calls = run_build(tmp_path, official_present=True, env={"SANDBOXD_BASE_IMAGE": "example/node:20"})
+    assert proc.returncode == 0, proc.stderr
+    assert "BASE=example/node:20" in built_with(calls)
+    assert "(SANDBOXD_BASE_IMAGE)" in proc.stderr
