@@ -154,6 +154,15 @@ class Shim {
   }
 }
 
+/** Poll until cond() holds (evidence), not for a guessed time; fail saying what did not happen. */
+async function waitFor(cond, what, timeoutMs = 10000) {
+  const t0 = Date.now();
+  while (!cond()) {
+    if (Date.now() - t0 > timeoutMs) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
 async function withShim(fn, opts) {
   const shim = new Shim(opts);
   await shim.ready();
@@ -570,16 +579,17 @@ describe('calling', () => {
 
   test('one call at a time: a concurrent call is busy (-32000); ping still answers', async () => {
     await withShim(async (shim) => {
-      shim.send({ jsonrpc: '2.0', id: 1, method: 'call', params: { toolCallId: 'slow_1', entry: entry('slow'), arguments: { ms: 300 } } });
-      await new Promise((r) => setTimeout(r, 50));
+      // `abort` says it runs, then waits for a cancel: the first call runs for as long as the test needs.
+      shim.send({ jsonrpc: '2.0', id: 1, method: 'call', params: { toolCallId: 'abort_1', entry: entry('abort'), arguments: {} } });
+      await shim.next((m) => m.method === 'progress' && m.params.id === 1);
       const busy = await shim.request('call', { toolCallId: 'x', entry: entry('hello'), arguments: { name: 'x' } }, 2);
       assert.equal(busy.response.error.code, -32000);
       assert.match(busy.response.error.message, /^busy: /);
-      const t0 = Date.now();
       await shim.request('ping', undefined, 3);
-      assert.ok(Date.now() - t0 < 200, 'ping is answered while a call runs');
+      assert.equal(shim.messages.filter((m) => m.id === 1).length, 0, 'ping is answered while the call runs');
+      shim.send({ jsonrpc: '2.0', method: 'cancel', params: { id: 1, reason: 'done' } });
       const first = await shim.next((m) => m.id === 1);
-      assert.equal(first.result.status, 'ok');
+      assert.match(shim.text(first.result), /^aborted=true/);
       assert.equal((await shim.call('hello', { name: 'after' })).result.status, 'ok');
     });
   });
@@ -617,20 +627,21 @@ describe('calling', () => {
     await withShim(async (shim) => {
       const a = await shim.call('stray', { kind: 'reject-after' }, { toolCallId: 'stray_1' });
       assert.equal(a.result.status, 'ok');
-      await new Promise((r) => setTimeout(r, 150));
+      const rejected = /\[stray_1 \(finished\)\] unhandled rejection: Error: late rejection after the result/;
+      await waitFor(() => rejected.test(shim.stderr), 'the late rejection to be logged');
       const b = await shim.call('stray', { kind: 'throw-after' }, { toolCallId: 'stray_2' });
       assert.equal(b.result.status, 'ok');
-      await new Promise((r) => setTimeout(r, 150));
-      assert.deepEqual((await shim.request('ping')).response.result, {});
-      assert.match(shim.stderr, /\[stray_1 \(finished\)\] unhandled rejection: Error: late rejection after the result/);
-      assert.match(shim.stderr, /\[stray_2 \(finished\)\] uncaught exception: Error: late timer exception after the result/);
+      const thrown = /\[stray_2 \(finished\)\] uncaught exception: Error: late timer exception after the result/;
+      await waitFor(() => thrown.test(shim.stderr), 'the late exception to be logged');
+      assert.deepEqual((await shim.request('ping')).response.result, {}); // the shim lives on
       const c = await shim.call('stray', { kind: 'timer-throw' }, { toolCallId: 'stray_3' });
       assert.equal(c.result.status, 'error');
       assert.match(shim.text(c.result), /^TypeError: callback blew up inside a timer \(an uncaught exception in the tool's asynchronous code;/);
       const d = await shim.call('stray', { kind: 'reject-during' }, { toolCallId: 'stray_4' });
       assert.equal(d.result.status, 'error');
       assert.match(shim.text(d.result), /^nobody awaited this \(an unhandled rejection/);
-      await new Promise((r) => setTimeout(r, 250));
+      await waitFor(() => shim.stderr.includes('[stray_4 (finished)] execute settled after its call was answered'),
+        'the failed call\'s execute to settle late');
       assert.equal((await shim.call('hello', { name: 'still here' })).result.status, 'ok');
       assert.equal(shim.messages.filter((m) => m.id === d.id).length, 1, 'the late settle sent nothing');
       await shim.close();
@@ -639,12 +650,19 @@ describe('calling', () => {
 
   test("a finished call's stray error does not fail the next call", async () => {
     await withShim(async (shim) => {
-      const a = await shim.call('stray', { kind: 'reject-after' }, { toolCallId: 'early' });
+      const trigger = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'stray-')), 'now');
+      const a = await shim.call('stray', { kind: 'reject-on-trigger', trigger }, { toolCallId: 'early' });
       assert.equal(a.result.status, 'ok');
-      // The rejection (30 ms after `early` returned) lands while `late` runs.
-      const b = await shim.call('slow', { ms: 200 }, { toolCallId: 'late' });
-      assert.equal(b.result.status, 'ok', shim.text(b.result));
-      assert.match(shim.stderr, /\[late\] unhandled rejection from early \(finished\): Error: late rejection after the result/);
+      // `late` runs (it said so) when the test lets early's rejection land: no race with a timer.
+      shim.send({ jsonrpc: '2.0', id: 'late', method: 'call', params: { toolCallId: 'late', entry: entry('abort'), arguments: {} } });
+      await shim.next((m) => m.method === 'progress' && m.params.id === 'late');
+      fs.writeFileSync(trigger, '');
+      await waitFor(() => /\[late\] unhandled rejection from early \(finished\): Error: late rejection after the result/.test(shim.stderr),
+        "early's rejection to land while late runs");
+      shim.send({ jsonrpc: '2.0', method: 'cancel', params: { id: 'late', reason: 'done' } });
+      const b = await shim.next((m) => m.id === 'late');
+      // Not failed by early's rejection: it ends as the abort fixture ends, by its own words.
+      assert.match(shim.text(b.result), /^aborted=true name=\S+ message=done/, JSON.stringify(b.result));
       await shim.close();
     });
   });
