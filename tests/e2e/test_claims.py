@@ -146,7 +146,7 @@ def test_a_cpu_bound_tool_is_held_to_its_cpus_share(make_daemon: Any) -> None:
         result = client.call_tool(A, "cpu_hog", {"ms": 3000, "threads": 2}, timeoutMs=60000)
     assert result["status"] == "ok", result
     cores = result["details"]["cores"]
-    assert 0.15 < cores < 0.8, result["details"]
+    assert 0.1 < cores < 0.8, result["details"]
 
 
 # -- crash reports -------------------------------------------------------------------------------
