@@ -22,7 +22,7 @@ from sandboxd.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUNNER_IMAGE = "sandboxd/node:0.2.0"  # tests check this matches images/node/VERSION
+RUNNER_IMAGE = "sandboxd/node:0.3.0"  # tests check this matches images/node/VERSION
 
 # Integration variables pi-bridge may pass per call (TOOLS.md, "Available Environment Variables").
 DEFAULT_ALLOWED_ENV = [

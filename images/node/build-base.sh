@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # Build the registry-free base image for the Node runner (default tag
-# sandboxd/node-base:bookworm-node20): a Debian bookworm minbase root filesystem
-# made with debootstrap from the Debian mirror, plus this machine's Node binary.
-# It stands in for the official node:20-bookworm-slim image where no container
-# registry is reachable. Needs root, debootstrap and a running Docker engine.
+# sandboxd/node-base:bookworm-node20-<hash of PACKAGES>): a Debian bookworm minbase
+# root filesystem made with debootstrap from the Debian mirror, plus this machine's
+# Node binary. It stands in for the official node:20-bookworm-slim image where no
+# container registry is reachable. Needs root, debootstrap and a running Docker engine.
 #
-# Usage: images/node/build-base.sh [--force] [--tag TAG]
-#   --force   rebuild even when TAG already exists
+# Usage: images/node/build-base.sh [--force] [--tag TAG] [--print-tag]
+#   --force      rebuild even when TAG already exists
+#   --print-tag  print the default tag and exit (build.sh uses it)
 # Environment: SANDBOXD_BASE_IMAGE (default tag), DEBIAN_MIRROR, NODE_BIN.
 set -euo pipefail
 
+# What tools call (TOOLS.md): CA certificates, sqlite3, python3, which (debianutils;
+# Essential, named so the intent is explicit), ffmpeg/ffprobe, tesseract with
+# English data, poppler's pdftotext/pdftoppm. The Dockerfile installs the same on
+# the official-image path. The default tag carries a hash of this list, so a
+# machine holding a base built from an older list builds the new one.
+PACKAGES="ca-certificates,sqlite3,python3,debianutils,ffmpeg,tesseract-ocr,tesseract-ocr-eng,poppler-utils"
+DEFAULT_TAG="sandboxd/node-base:bookworm-node20-$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-8)"
+
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-TAG=${SANDBOXD_BASE_IMAGE:-sandboxd/node-base:bookworm-node20}
+TAG=${SANDBOXD_BASE_IMAGE:-$DEFAULT_TAG}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm
 FORCE=0
@@ -21,7 +30,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --force) FORCE=1 ;;
     --tag) TAG=$2; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --print-tag) echo "$DEFAULT_TAG"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "build-base.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -57,10 +67,8 @@ mkdir -p "$BUILD_DIR"
 
 start=$(date +%s)
 log "debootstrap $SUITE ($ARCH, minbase) from $MIRROR into $ROOTFS"
-# debianutils (which) and dash (/bin/sh) are Essential in bookworm; named anyway so
-# the intent is explicit. ca-certificates, sqlite3 and python3 are what tools call.
 debootstrap --variant=minbase --arch="$ARCH" \
-  --include=ca-certificates,sqlite3,python3,debianutils \
+  --include="$PACKAGES" \
   "$SUITE" "$ROOTFS" "$MIRROR" > "$BUILD_DIR/debootstrap.log" 2>&1 \
   || { tail -n 30 "$BUILD_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
 
@@ -74,10 +82,11 @@ missing=$(chroot "$ROOTFS" /usr/bin/ldd /usr/local/bin/node | grep 'not found' |
 [ -z "$missing" ] || die "node's shared libraries are missing in the rootfs: $missing"
 got=$(chroot "$ROOTFS" /usr/local/bin/node -p process.version)
 [ "$got" = "$NODE_VERSION" ] || die "node in the rootfs reports '$got', expected $NODE_VERSION"
-for cmd in sh which python3 sqlite3; do
+for cmd in sh which python3 sqlite3 ffmpeg ffprobe tesseract pdftotext pdftoppm; do
   chroot "$ROOTFS" /bin/sh -c "command -v $cmd" >/dev/null || die "$cmd is missing in the rootfs"
 done
 [ -s "$ROOTFS/etc/ssl/certs/ca-certificates.crt" ] || die "CA certificates are missing in the rootfs"
+chroot "$ROOTFS" tesseract --list-langs 2>&1 | grep -qx eng || die "tesseract's English data is missing in the rootfs"
 
 # Trim what a runtime never needs: apt caches and lists, docs, man pages, locales.
 rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/cache/apt/*.bin \
@@ -96,6 +105,7 @@ tar --numeric-owner -C "$ROOTFS" -c . | docker import \
   --change 'ENV LANG=C.UTF-8' \
   --change "LABEL org.sandboxd.node-version=$NODE_VERSION" \
   --change "LABEL org.sandboxd.base=debootstrap-$SUITE-minbase" \
+  --change "LABEL org.sandboxd.base-packages=$PACKAGES" \
   --change 'CMD ["/bin/sh"]' \
   - "$TAG" >/dev/null
 

@@ -2,8 +2,8 @@
 # Build the runner image sandboxd/node:$(cat VERSION) (what `make image` runs).
 #   1. the base image: SANDBOXD_BASE_IMAGE if set; else the official
 #      node:20-bookworm-slim when present locally (never pulled: `docker pull` it
-#      first to use it); else the registry-free sandboxd/node-base:bookworm-node20,
-#      built by build-base.sh when missing. Said on stderr and in the image's
+#      first to use it); else the registry-free sandboxd/node-base:bookworm-node20-<hash>
+#      (`build-base.sh --print-tag`), built by build-base.sh when missing. Said on stderr and in the image's
 #      label org.sandboxd.base;
 #   2. the shim's node_modules: `npm ci` from the committed lock file, skipped when
 #      the lock file has not changed since the last install;
@@ -30,7 +30,7 @@ if [ -n "${SANDBOXD_BASE_IMAGE:-}" ]; then
 elif docker image inspect "$OFFICIAL_BASE" >/dev/null 2>&1; then
   BASE=$OFFICIAL_BASE why="the official image, present locally"
 else
-  BASE=sandboxd/node-base:bookworm-node20
+  BASE=$(bash "$HERE/build-base.sh" --print-tag)  # its tag names its package list
   why="registry-free, debootstrap; no $OFFICIAL_BASE locally (docker pull it to build FROM it)"
 fi
 log "base image $BASE ($why)"
