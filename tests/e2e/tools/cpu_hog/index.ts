@@ -11,9 +11,21 @@ function usageNs(): number {
   }
 }
 
+// Periods in which the sandbox's CPU quota ran out and its threads were held back.
+function throttledPeriods(): number {
+  for (const file of ["/sys/fs/cgroup/cpu/cpu.stat", "/sys/fs/cgroup/cpu.stat"]) {
+    try {
+      const line = readFileSync(file, "utf8").split("\n").find((l) => l.startsWith("nr_throttled"));
+      if (line) return Number(line.split(" ")[1]);
+    } catch { /* the other cgroup version */ }
+  }
+  return -1;
+}
+
 export async function execute(_id: string, params: { ms: number; threads: number }) {
   const code = `const end = Date.now() + ${params.ms}; while (Date.now() < end) {}`;
   const before = usageNs();
+  const throttledBefore = throttledPeriods();
   const started = process.hrtime.bigint();
   await Promise.all(Array.from({ length: params.threads }, () => new Promise((resolve, reject) => {
     const worker = new Worker(code, { eval: true });
@@ -22,5 +34,7 @@ export async function execute(_id: string, params: { ms: number; threads: number
   })));
   const wallNs = Number(process.hrtime.bigint() - started);
   const cores = (usageNs() - before) / wallNs;
-  return { content: [{ type: "text", text: `used ${cores.toFixed(2)} cores` }], details: { cores, wallMs: wallNs / 1e6 } };
+  const throttled = throttledPeriods() - throttledBefore;
+  return { content: [{ type: "text", text: `used ${cores.toFixed(2)} cores` }],
+           details: { cores, throttled, wallMs: wallNs / 1e6 } };
 }
