@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from sandboxd.cli.main import main
 from sandboxd.cli.tools_cmds import validate_paths
-from sandboxd.tools.checks import check_entry_file, check_entry_source, check_synced_copy, tokenize
+from sandboxd.tools.checks import EXPORT_FIX, check_entry_file, check_entry_source, check_synced_copy, tokenize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -266,7 +266,8 @@ def test_spec_wrong_console_log_instead_of_return() -> None:
           console.log('result');  // Agent never sees this
         }
         """
-    assert findings(source) == [("console-log", 4, "warning")]
+    # Printing stays a warning; never returning a ToolResult is an error (issue 14).
+    assert findings(source) == [("no-return", 3, "error"), ("console-log", 4, "warning")]
 
 
 # --- execute export ----------------------------------------------------------------------------
@@ -280,17 +281,27 @@ def test_spec_wrong_console_log_instead_of_return() -> None:
     "async function run() { return ok('x'); }\nexport { run as execute };",
     "export { execute } from './impl';",
     "export * from './impl';",
-    "exports.execute = async function (_id, p) { return ok(p.x); };",
-    "module.exports.execute = async () => ok('x');",
-    "exports['execute'] = async () => ok('x');",
-    "async function execute() { return ok('x'); }\nmodule.exports = { execute };",
-    "module.exports = { async execute(_id, p) { return ok(p.x); } };",
-    "module.exports = { execute: async () => ok('x') };",
-    "module.exports = require('./impl');",
     "export class Helper {}\nexport async function execute() { return ok('x'); }",
 ])
 def test_execute_exports_that_work(source: str) -> None:
     assert findings(source) == []
+
+
+# CommonJS exports run in sandboxd but not in pi's own loader (TOOLS.md: "module.exports do not work"): a warning.
+@pytest.mark.parametrize(("source", "line"), [
+    ("exports.execute = async function (_id, p) { return ok(p.x); };", 1),
+    ("module.exports.execute = async () => ok('x');", 1),
+    ("exports['execute'] = async () => ok('x');", 1),
+    ("async function execute() { return ok('x'); }\nmodule.exports = { execute };", 2),
+    ("module.exports = { async execute(_id, p) { return ok(p.x); } };", 1),
+    ("module.exports = { execute: async () => ok('x') };", 1),
+    ("module.exports = require('./impl');", 1),
+    ("export = { execute: async () => ok('x') };", 1),
+])
+def test_commonjs_exports_work_here_but_warn(source: str, line: int) -> None:
+    [problem] = check_entry_source(source, Path("index.js"))
+    assert (problem.field, problem.line, problem.severity) == ("module-exports", line, "warning")
+    assert "pi's own loader" in problem.message and "export async function execute" in problem.fix
 
 
 @pytest.mark.parametrize(("source", "check", "fragment"), [
@@ -447,7 +458,7 @@ def test_throw_in_an_execute_exported_by_another_name() -> None:
 
 def test_throw_in_a_module_exports_method() -> None:
     source = "module.exports = {\n  async execute(_id, p) {\n    throw new Error('x');\n  },\n};"
-    assert findings(source, "index.js") == [("throw", 3, "warning")]
+    assert findings(source, "index.js") == [("module-exports", 1, "warning"), ("throw", 3, "warning")]
 
 
 # --- the tokenizer -----------------------------------------------------------------------------
@@ -581,3 +592,94 @@ def test_missing_version_is_a_warning_and_a_version_is_not(tmp_path: Path) -> No
     (tool / "TOOL.md").write_text("---\nname: weather\ndescription: Weather.\n---\n# Weather\n")
     [problem] = validate_paths([tool])
     assert (problem.field, problem.severity) == ("version", "warning") and "'version: 1'" in problem.fix
+
+
+# --- issue 14: the misses of the hand-written tokenizer, now on a syntax tree ---------------------
+
+def test_an_execute_that_never_returns_is_an_error() -> None:
+    source = "export async function execute(_id: string, p: Params) {\n  const x = p.city;\n  doWork(x);\n}\n"
+    [problem] = check_entry_source(source, Path("index.ts"))
+    assert (problem.field, problem.line, problem.severity) == ("no-return", 1, "error")
+    assert "never returns a ToolResult" in problem.message and "return { content:" in problem.fix
+
+
+def test_a_bare_return_is_not_a_result() -> None:
+    assert findings("export function execute() {\n  if (x) { return; }\n  work();\n}") == [("no-return", 1, "error")]
+
+
+@pytest.mark.parametrize(("source", "line"), [
+    ("export async function execute(_id, p) {\n  if (p.x) {\n    return ok('x');\n  }\n}", 5),
+    ("export const execute = async (_id, p) => {\n  switch (p.a) {\n    case 'a': return ok('a');\n  }\n};", 5),
+    ("export async function execute(_id, p) {\n  try {\n    return ok(await f());\n  } catch (e) {\n"
+     "    console.error(e);\n  }\n}", 7),
+    ("export async function execute(_id, p) {\n  for (const x of p.xs) { if (x) return ok(x); }\n}", 3),
+])
+def test_a_path_that_ends_without_a_return_is_a_warning(source: str, line: int) -> None:
+    assert findings(source) == [("implicit-return", line, "warning")]
+
+
+@pytest.mark.parametrize("source", [
+    "export async function execute(_id, p) {\n  if (p.x) return ok('x');\n  else return err('y');\n}",
+    "export async function execute(_id, p) {\n  switch (p.a) {\n    case 'a': return ok('a');\n"
+    "    default: return err('no');\n  }\n}",
+    "export async function execute(_id, p) {\n  while (true) {\n    if (await done()) return ok('done');\n  }\n}",
+    "export async function execute(_id, p) {\n  try { return ok(f()); } finally { cleanUp(); }\n}",
+    "export async function execute(_id, p) {\n  const xs = p.xs.map((x) => { console.error(x); });\n  return ok(String(xs));\n}",
+    "export const execute = async () => ({ content: [] });",
+])
+def test_every_path_returns(source: str) -> None:
+    assert findings(source) == []
+
+
+def test_module_exports_object_with_execute_warns_with_the_fix() -> None:
+    source = "async function execute(_id, p) { return ok(p.x); }\nmodule.exports = { execute };\n"
+    [problem] = check_entry_source(source, Path("index.js"))
+    assert (problem.field, problem.line, problem.severity) == ("module-exports", 2, "warning")
+    assert problem.fix == EXPORT_FIX
+
+
+def test_a_generic_arrow_execute_is_examined() -> None:
+    source = "export const execute = async <T,>(_id: string, p: T) => {\n  throw new Error('x');\n};\n"
+    assert findings(source) == [("throw", 2, "warning")]
+    tsx = "export const execute = async <T,>(_id: string, p: T) => {\n  console.log(p);\n  return ok('');\n};\n"
+    assert findings(tsx, "index.tsx") == [("console-log", 2, "warning")]
+
+
+@pytest.mark.parametrize("source", [
+    # Code that merely mentions the patterns in strings, templates, regexes and comments.
+    "export async function execute() {\n  const s = 'console.log(x); Bun.file(y); throw z';\n"
+    "  const t = `console.log(${1}) Bun.file( throw new Error()`;\n  const r = /console\\.log\\(|Bun\\.file\\(|throw/g;\n"
+    "  /* console.log('x'); throw new Error(); */\n  return ok(s + t + r.source);\n}",
+    "export async function execute() {\n  const r = /`/; const q = '`';\n  return ok(`${r.source}${q} console.log(`);\n}",
+    "export async function execute() {\n  const t = `${`${'throw'}`} throw`;\n  return ok(t);\n}",
+    # A division followed by a slash-y line must not open a regex that swallows code.
+    "const half = total / 2; const q = a / b;\nexport async function execute() { return ok(String(half / q)); }",
+])
+def test_mentions_in_literals_are_not_code(source: str) -> None:
+    assert findings(source) == []
+
+
+def test_re_exports_are_followed_to_the_local_function() -> None:
+    source = ("async function run(_id: string, p: Params) {\n  console.log(p);\n}\n"
+              "export { run as execute };\n")
+    assert findings(source) == [("no-return", 1, "error"), ("console-log", 2, "warning")]
+    via_const = "const run = async () => { throw new Error('x'); };\nconst alias = run;\nexport { alias as execute };"
+    assert findings(via_const) == [("throw", 1, "warning")]
+
+
+def test_type_only_exports_do_not_count_as_execute() -> None:
+    source = "type execute = () => void;\nexport type { execute };\n"
+    assert [p[0] for p in findings(source)] == ["execute-export"]
+
+
+def test_export_fix_is_the_shims_hint(tmp_path: Path) -> None:
+    """One source for the fix text: the shim's load-time error ends with the linter's EXPORT_FIX."""
+    import shutil
+    import subprocess
+    node = shutil.which("node")
+    assert node, "node is needed to load the shim's result.js"
+    script = ("const { resolveExecute } = require(process.argv[1]);"
+              "try { resolveExecute({ run() {} }, 'index.ts'); } catch (e) { process.stdout.write(e.message); }")
+    shim = REPO / "images" / "node" / "shim" / "src" / "result.js"
+    message = subprocess.run([node, "-e", script, str(shim)], capture_output=True, text=True, check=True).stdout
+    assert message.endswith("; " + EXPORT_FIX), message

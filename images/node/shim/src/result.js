@@ -5,9 +5,11 @@
 const path = require('node:path');
 const util = require('node:util');
 
-const RETURN_HINT = 'return { content: [{ type: "text", text: "..." }] }';
-const EXPORT_HINT =
-  'export a named function instead: export async function execute(toolCallId, params, signal, onUpdate) { ...; return { content: [{ type: "text", text: "..." }] }; }';
+// Shared with sandboxd validate (sandboxd/tools/checks.py reads the same file).
+const FIXES = require('./fixes.json');
+
+const RETURN_HINT = FIXES.returnFix;
+const EXPORT_HINT = FIXES.exportFix;
 const BUN_MESSAGE = 'Bun is not defined: tools run on Node.js; use fs/child_process/setTimeout instead of Bun APIs';
 
 function preview(value, max = 120) {
