@@ -53,6 +53,7 @@ log = get_logger("sandboxd.docker")
 LABEL_MANAGED = "org.sandboxd.managed"
 LABEL_INSTANCE = "org.sandboxd.instance"
 LABEL_USER = "org.sandboxd.user"
+LABEL_DATA_PATH = "org.sandboxd.data-path"  # for people: what the instance label is a hash of
 _FRAME = struct.Struct(">BxxxL")
 CONTAINER_SHIM_DIR = "/officer/run"
 EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit
@@ -410,17 +411,23 @@ class DockerBackend:
         sandbox.close_transports()
         await self._remove_quiet(sandbox.container_id)
 
-    async def list_owned(self) -> list[str]:
-        containers = await self._run(
+    async def _owned(self) -> list[dict[str, Any]]:
+        return await self._run(
             lambda: self.api().containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={self.instance}"]})
         )
-        return [c["Id"] for c in containers]
+
+    async def list_owned(self) -> list[str]:
+        return [c["Id"] for c in await self._owned()]
 
     async def remove_orphans(self) -> int:
         if self.config.transport == "socket":
             self.shim_dir()  # also removes the socket directories an earlier run left
-        owned = await self.list_owned()
-        await asyncio.gather(*(self._remove_quiet(cid) for cid in owned))
+        owned = await self._owned()
+        if owned:
+            log.info("orphan_containers", instance=self.instance,
+                     containers=[(c.get("Names") or [c["Id"][:12]])[0].lstrip("/") for c in owned],
+                     users=sorted({(c.get("Labels") or {}).get(LABEL_USER, "?") for c in owned}))
+        await asyncio.gather(*(self._remove_quiet(c["Id"]) for c in owned))
         return len(owned)
 
     def entry_path(self, tool: Any) -> str:
@@ -520,7 +527,8 @@ class DockerBackend:
             user=self.user,
             environment=environment,
             working_dir=CONTAINER_USER,
-            labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user},
+            labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user,
+                    LABEL_DATA_PATH: str(spec.root)},
             host_config=host_config,
             network_disabled=cfg.network == "none",
         )

@@ -6,6 +6,7 @@ Shutdown is a fixed order with a bounded wait (see ``shutdown``).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import os
 import signal
@@ -34,11 +35,16 @@ from sandboxd.users import check_user, global_tools_dir, user_dir, user_tools_di
 log = get_logger("sandboxd.server")
 
 MAINTENANCE_INTERVAL_S = 1.0
+DATA_PATH_LOCK = ".sandboxd.lock"
 
 
 def instance_id(config: Config) -> str:
-    """Names this daemon's containers, so a restart finds its own orphans and only those."""
-    return hashlib.sha256(f"{config.socket}|{config.data_path}".encode()).hexdigest()[:12]
+    """Names this daemon's containers, so a restart finds its own orphans and only those.
+
+    A hash of the data path alone: a data path belongs to one daemon (it holds the path's
+    lock), so a restart with another socket still finds what the last run left, and a
+    daemon on another data path never touches them."""
+    return hashlib.sha256(str(config.data_path.resolve()).encode()).hexdigest()[:12]
 
 
 def make_backend(config: Config) -> Backend:
@@ -75,6 +81,7 @@ class Server:
         self._orphans_removed = False
         self._orphan_warning_logged = False
         self.orphans_reaped = 0
+        self._data_lock: int | None = None  # the fd holding DATA_PATH_LOCK
         self.peer_policy = PeerPolicy.from_config(config)
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
@@ -96,6 +103,7 @@ class Server:
     async def startup(self, listen_socket: socket.socket | None = None) -> None:
         cfg = self.config
         global_tools_dir(cfg.data_path).mkdir(parents=True, exist_ok=True)
+        self._lock_data_path()  # before the orphans: a second daemon here would take the first's sandboxes for them
         if cfg.seed_tools is not None:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
@@ -119,6 +127,24 @@ class Server:
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
                                "filesystem; for development only, never for untrusted tools")
+
+    def _lock_data_path(self) -> None:
+        """Hold DATA_PATH/.sandboxd.lock for the daemon's life (the kernel drops it when the
+        process dies): sandboxes are labelled by the data path alone (``instance_id``)."""
+        path = self.config.data_path / DATA_PATH_LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"another sandboxd (pid {holder}) serves the data path {self.config.data_path}: a data path belongs "
+                "to one daemon. Stop that one, or give this one another --data-path."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._data_lock = fd
 
     def _check_data_path_mount(self) -> None:
         """Say so when the data path allows setuid files and device nodes.
@@ -176,7 +202,8 @@ class Server:
         self._orphans_removed = True
         self.orphans_reaped += removed
         if removed:
-            log.info("orphans_removed", count=removed)
+            log.info("orphans_removed", count=removed, data_path=str(self.config.data_path),
+                     reason="sandboxes an earlier run on this data path left (their instance label is its hash)")
 
     async def _maintain(self) -> None:
         while True:
@@ -302,6 +329,9 @@ class Server:
                 conn.transport.close()
         await self.backend.close()
         self.catalog.close()  # a scan still running in a worker is not waited for
+        if self._data_lock is not None:
+            os.close(self._data_lock)
+            self._data_lock = None
         log.info("stopped")
 
 

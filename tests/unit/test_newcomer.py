@@ -7,9 +7,17 @@ ones (and debootstrap), so the test touches no real package or image.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
+
+from sandboxd.config import Config, load_config
+from sandboxd.errors import ConfigError
+from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.server.server import Server, instance_id
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,3 +101,43 @@ def test_build_honours_sandboxd_base_image_over_the_official_one(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert "BASE=example/node:20" in built_with(calls)
     assert "(SANDBOXD_BASE_IMAGE)" in proc.stderr
+
+
+# -- who owns a container: the data path, whatever the socket ------------------------------------
+
+
+def config_for(data: Path, socket_path: Path) -> Config:
+    return load_config(overrides={"data_path": data, "socket": socket_path, "seed_tools": None, "backend": "fake"},
+                       environ={})
+
+
+def test_the_instance_is_the_data_path_whatever_the_socket(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "link").symlink_to(data)
+    first = instance_id(config_for(data, tmp_path / "a.sock"))
+    assert instance_id(config_for(data, tmp_path / "elsewhere" / "b.sock")) == first
+    assert instance_id(config_for(tmp_path / "link", tmp_path / "a.sock")) == first, "the same directory"
+    assert instance_id(config_for(tmp_path / "other", tmp_path / "a.sock")) != first
+
+
+def test_a_second_daemon_on_the_same_data_path_is_refused_before_it_reaps_anything(tmp_path: Path) -> None:
+    async def main() -> None:
+        data = tmp_path / "data"
+        first = Server(config_for(data, tmp_path / "a.sock"), FakeBackend())
+        await first.startup()
+        try:
+            backend = FakeBackend()
+            backend.orphans = ["the first daemon's live sandbox"]
+            second = Server(config_for(data, tmp_path / "b.sock"), backend)
+            with pytest.raises(ConfigError, match=rf"another sandboxd \(pid {os.getpid()}\) serves the data path"):
+                await second.startup()
+            assert backend.orphans == ["the first daemon's live sandbox"], "reaped another daemon's sandboxes"
+            assert not (tmp_path / "b.sock").exists()
+        finally:
+            await first.shutdown()
+        third = Server(config_for(data, tmp_path / "c.sock"), FakeBackend())  # free again once the first stops
+        await third.startup()
+        await third.shutdown()
+
+    asyncio.run(main())
