@@ -90,7 +90,8 @@ def new_command(args: argparse.Namespace, config: Config) -> int:
     for path in files:
         print(f"created {_shown(path.absolute())}")
     folder = _shown(files[0].parent.absolute())
-    print(f"next: sandboxd validate {folder} && sandboxd run {folder} --arg city=Paris")
+    print(f"next: sandboxd run {folder}    (it runs as it is; then make it yours: rename the input city in "
+          f"{folder}/TOOL.md and {folder}/index.ts, and check with `sandboxd validate {folder}`)")
     return EXIT_OK
 
 
@@ -189,7 +190,10 @@ async def _session(args: argparse.Namespace, config: Config, choice: BackendChoi
     _describe(choice, config, tool_dir)
     try:
         if loaded is not None:  # a single run, of the tool checked before the backend was chosen
-            return await _run_once(session, choice, tool_dir, arguments, timeout_s, args.raw, loaded)
+            code = await _run_once(session, choice, tool_dir, arguments, timeout_s, args.raw, loaded)
+            if code == EXIT_OK:
+                _say(_next_steps(tool_dir, loaded[0], arguments, config.data_path))
+            return code
         runs, changes = 0, []
         while True:
             before = await asyncio.to_thread(snapshot, tool_dir)
@@ -227,6 +231,21 @@ async def _run_once(session: DevSession, choice: BackendChoice, tool_dir: Path, 
         print_result(outcome)
         sys.stdout.flush()
     return EXIT_OK if outcome.get("status") == "ok" else EXIT_FAILURE
+
+
+def _next_steps(tool_dir: Path, tool: Tool, arguments: dict[str, Any], data_path: Path) -> str:
+    """What a developer does after a first successful run: other inputs, --watch, validate, install."""
+    folder = _shown(tool_dir)
+    inputs = list(tool.schema.get("properties", {}))
+    steps = []
+    if inputs:
+        example = next((name for name in inputs if name not in arguments), inputs[0])
+        steps.append(f"try other inputs with `sandboxd run {folder} --arg {example}=VALUE`")
+    steps.append(f"rerun on every save with `sandboxd run {folder} --watch`")
+    steps.append(f"check with `sandboxd validate {folder}`")
+    steps.append(f"install it for a user by copying {folder} to {data_path}/<user>/tools/ "
+                 "(docs/tool-development.md, \"Install it\")")
+    return "next: " + "; ".join(steps)
 
 
 def _describe(choice: BackendChoice, config: Config, tool_dir: Path) -> None:

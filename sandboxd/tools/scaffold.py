@@ -1,8 +1,9 @@
 """`sandboxd new`: a new tool folder laid out as TOOLS.md recommends.
 
 The scaffold is a working tool, not a stub: it validates with no findings and
-runs. Its one example input, ``city``, is there to be renamed; TOOL.md's
-``inputs`` and index.ts's ``Params`` type name it in the two places to edit.
+runs, the first time with no arguments: its one example input, ``city``, is
+optional with a default. It is there to be renamed; TOOL.md's ``inputs`` and
+index.ts's ``Params`` type name it in the two places to edit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ inputs:
   city:
     type: string
     description: An example input, a city name such as Paris. Rename or replace it with what your tool needs.
+    optional: true
+    default: Paris
 ---
 
 # __LABEL__
@@ -35,7 +38,7 @@ What __NAME__ does, written for the agent: it reads this page to learn how to us
 
 ## Usage
 
-Call with `city`, a city name. The tool answers with one line of text about it.
+Call with `city`, a city name (Paris when left out). The tool answers with one line of text about it.
 
 ## Examples
 
@@ -68,7 +71,7 @@ type OnUpdate = (partial: { content: TextBlock[] }) => void;
 
 // One field per input in TOOL.md (optional inputs with `?`).
 type Params = {
-  city: string;
+  city?: string;
 };
 
 function ok(text: string): ToolResult {
@@ -86,7 +89,8 @@ export async function execute(
   onUpdate?: OnUpdate,
 ): Promise<ToolResult> {
   try {
-    const city = params.city.trim();
+    // sandboxd fills in TOOL.md's default; `??` keeps execute right where nothing does.
+    const city = (params.city ?? 'Paris').trim();
     if (!city) {
       return err('city is empty: pass a city name, e.g. "Paris".');
     }

@@ -96,6 +96,19 @@ def test_new_validate_run(tmp_path: Path, env: dict[str, str], backend: str) -> 
         assert ran.stderr.startswith("sandboxd: UNSANDBOXED")
 
 
+def test_new_then_run_works_the_first_time_with_no_arguments(tmp_path: Path, env: dict[str, str]) -> None:
+    """Issue 14: `sandboxd new weather` then `sandboxd run weather`, nothing else, on the default (Docker) backend."""
+    new = sandboxd("new", "weather", cwd=tmp_path, env=env)
+    assert new.returncode == 0 and "next: sandboxd run weather " in new.stdout, new.stderr
+    ran = sandboxd("run", "weather", cwd=tmp_path, env=env)
+    assert (ran.returncode, ran.stdout) == (0, 'Weather received city "Paris".\n'), ran.stderr
+    assert "running weather in a Docker sandbox" in ran.stderr and "UNSANDBOXED" not in ran.stderr
+    next_line = ran.stderr.strip().splitlines()[-1]
+    assert next_line.startswith("sandboxd: next: try other inputs with `sandboxd run weather --arg city=VALUE`")
+    assert "--watch" in next_line and "sandboxd validate weather" in next_line
+    assert f"{tmp_path / 'data'}/<user>/tools/" in next_line
+
+
 PROBE = """
 import { readdirSync, writeFileSync } from 'node:fs';
 

@@ -36,8 +36,11 @@ def test_the_scaffold_is_a_tool_with_an_example_input(tmp_path: Path) -> None:
     scaffold_tool("weather", tmp_path)
     tool, problems = inspect_tool_dir(tmp_path / "weather", tmp_path, "user")
     assert tool is not None and problems == []
-    assert tool.schema["required"] == ["city"]
-    assert validate_arguments(tool.schema, {"city": "Paris"}) == {"city": "Paris"}
+    assert tool.schema["required"] == []
+    assert validate_arguments(tool.schema, {"city": "Rome"}) == {"city": "Rome"}
+    # `sandboxd run NAME` with no arguments works the first time: the example input has a default.
+    assert validate_arguments(tool.schema, {}) == {"city": "Paris"}
+
 
 
 @pytest.mark.parametrize("name", ["web_search", "a", "ocr2", "x" * 64])
@@ -91,8 +94,11 @@ def test_cli_new_then_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str
     monkeypatch.chdir(tmp_path)
     assert main(["new", "weather"]) == 0
     out = capsys.readouterr().out
+    # The next step needs no arguments: the scaffold's example input has a default.
     assert out.splitlines() == ["created weather/TOOL.md", "created weather/index.ts",
-                                "next: sandboxd validate weather && sandboxd run weather --arg city=Paris"]
+                                "next: sandboxd run weather    (it runs as it is; then make it yours: rename the "
+                                "input city in weather/TOOL.md and weather/index.ts, and check with "
+                                "`sandboxd validate weather`)"]
     assert main(["validate", "weather", "--data-path", str(tmp_path / "data")]) == 0
     assert capsys.readouterr().out == "0 errors, 0 warnings\n"
 
