@@ -1,0 +1,113 @@
+import { execFileSync, spawn } from 'node:child_process';
+import { existsSync, realpathSync, statSync } from 'node:fs';
+import { basename, dirname, extname, join, resolve } from 'node:path';
+
+type ToolResult = { content: Array<{ type: string; text: string }>; isError?: boolean };
+type OnUpdate = (partial: { content: Array<{ type: string; text: string }> }) => void;
+type Params = { input_path: string; output_path?: string; bitrate?: string };
+
+const USER_ROOT = '/officer/user';
+const TIMEOUT_MS = 30 * 60 * 1000;
+
+function ok(text: string): ToolResult {
+  return { content: [{ type: 'text', text }] };
+}
+
+function err(text: string): ToolResult {
+  return { content: [{ type: 'text', text }], isError: true };
+}
+
+function hasCommand(cmd: string): boolean {
+  try {
+    execFileSync('which', [cmd], { stdio: 'ignore' });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+// A path given to the tool must stay in the user's folder, links resolved first (a link
+// inside /officer/user pointing out of it is refused too).
+function userPath(param: string, value: string, mustExist: boolean): string {
+  const fix = `Fix: use a path inside ${USER_ROOT}, e.g. ${USER_ROOT}/result.json`;
+  const inside = (p: string) => p === USER_ROOT || p.startsWith(USER_ROOT + '/');
+  const abs = resolve(USER_ROOT, value);
+  if (!inside(abs)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}. ${fix}`);
+  if (mustExist && !existsSync(abs)) throw new Error(`${param}: no such file: ${abs}. Fix: check the path (list ${USER_ROOT} to see what is there).`);
+  if (!existsSync(dirname(abs))) throw new Error(`${param}: the folder ${dirname(abs)} does not exist. Fix: write into an existing folder such as ${USER_ROOT}.`);
+  const real = existsSync(abs) ? realpathSync(abs) : join(realpathSync(dirname(abs)), basename(abs));
+  if (!inside(real)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}, which resolves to ${real} through a link. ${fix}`);
+  return real;
+}
+
+// Duration of the first audio stream, or an error saying why the file is not audio.
+function probeAudio(path: string): number {
+  let out: string;
+  try {
+    out = execFileSync('ffprobe', ['-v', 'error', '-select_streams', 'a:0', '-show_entries',
+      'stream=codec_name:format=duration', '-of', 'json', path], { encoding: 'utf-8', timeout: 60_000, stdio: ['ignore', 'pipe', 'pipe'] });
+  } catch (e) {
+    const why = String((e as { stderr?: string }).stderr ?? (e as Error).message).trim().split('\n').pop();
+    throw new Error(`${path} is not an audio or video file ffmpeg can read (${why}). Fix: give an audio file such as WAV, M4A, OGG, FLAC or MP3.`);
+  }
+  const info = JSON.parse(out);
+  if (!info.streams?.length) throw new Error(`${path} has no audio stream. Fix: give an audio file, or a video with sound.`);
+  return Number(info.format?.duration);
+}
+
+export async function execute(
+  _toolCallId: string,
+  params: Params,
+  signal?: AbortSignal,
+  onUpdate?: OnUpdate,
+): Promise<ToolResult> {
+  try {
+    for (const cmd of ['ffmpeg', 'ffprobe']) {
+      if (!hasCommand(cmd)) return err(`${cmd} is not installed in the sandbox (the runner image should carry it); tell the user.`);
+    }
+    const bitrate = params.bitrate ?? '192k';
+    const kbps = /^(\d+)k$/.exec(bitrate);
+    if (!kbps || Number(kbps[1]) < 32 || Number(kbps[1]) > 320) return err(`bitrate must be from 32k to 320k, e.g. "128k", got "${bitrate}".`);
+    const input = userPath('input_path', params.input_path, true);
+    if (!statSync(input).isFile()) return err(`input_path ${input} is not a file.`);
+    const wanted = params.output_path ?? join(dirname(input), basename(input, extname(input)) + '.mp3');
+    const output = userPath('output_path', wanted, false);
+    if (output === input) return err(`output_path is the input file itself (${input}). Fix: give another output_path.`);
+    const duration = probeAudio(input);
+
+    onUpdate?.({ content: [{ type: 'text', text: `Converting ${basename(input)} (${duration.toFixed(1)} s) to MP3 at ${bitrate}…` }] });
+    const child = spawn('ffmpeg', ['-hide_banner', '-nostdin', '-y', '-progress', 'pipe:3', '-stats_period', '1',
+      '-i', input, '-vn', '-map', '0:a:0', '-codec:a', 'libmp3lame', '-b:a', bitrate, '-f', 'mp3', output],
+    { stdio: ['ignore', 'ignore', 'pipe', 'pipe'] });
+    let stderr = '';
+    let progress = '';
+    child.stderr!.setEncoding('utf-8').on('data', (d: string) => { stderr = (stderr + d).slice(-20_000); });
+    const prog = child.stdio[3] as NodeJS.ReadableStream;
+    prog.setEncoding('utf-8');
+    prog.on('data', (d: string) => {
+      progress += d;
+      const done = [...progress.matchAll(/^out_time_us=(\d+)$/gm)].pop();
+      progress = progress.slice(progress.lastIndexOf('\n') + 1);
+      if (done && duration > 0) {
+        const pct = Math.min(100, Number(done[1]) / 1e4 / duration);
+        onUpdate?.({ content: [{ type: 'text', text: `Converting: ${pct.toFixed(0)}%` }] });
+      }
+    });
+    const timer = setTimeout(() => child.kill('SIGKILL'), TIMEOUT_MS);
+    const onAbort = () => child.kill('SIGKILL');
+    signal?.addEventListener('abort', onAbort);
+    const code = await new Promise<number | null>((res, rej) => {
+      child.on('error', rej);
+      child.on('close', (c) => res(c));
+    }).finally(() => { clearTimeout(timer); signal?.removeEventListener('abort', onAbort); });
+    if (code !== 0) {
+      const tail = stderr.trim().split('\n').slice(-10).join('\n');
+      return err(`ffmpeg could not convert ${input} (exit ${code}):\n${tail}`);
+    }
+    const size = statSync(output).size;
+    const outDuration = probeAudio(output);
+    return ok(`Converted to ${output}\nDuration: ${outDuration.toFixed(2)} s\nSize: ${size} bytes (${(size / 1024 / 1024).toFixed(2)} MiB)\nBitrate: ${bitrate}`);
+  } catch (e) {
+    return err(e instanceof Error ? e.message : String(e));
+  }
+}

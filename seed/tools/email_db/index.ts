@@ -1,0 +1,100 @@
+import { execFileSync, spawnSync } from 'node:child_process';
+import { existsSync, realpathSync, writeFileSync } from 'node:fs';
+import { basename, dirname, join, resolve } from 'node:path';
+
+type ToolResult = { content: Array<{ type: string; text: string }>; isError?: boolean };
+type Params = { action: string; sql?: string; text?: string; limit?: number; output_path?: string };
+
+const USER_ROOT = '/officer/user';
+const TOOL_DIR = typeof __dirname !== 'undefined' ? __dirname : dirname(new URL(import.meta.url).pathname);
+const HELPER = join(TOOL_DIR, 'bin', 'email_db.py');
+
+function ok(text: string): ToolResult {
+  return { content: [{ type: 'text', text }] };
+}
+
+function err(text: string): ToolResult {
+  return { content: [{ type: 'text', text }], isError: true };
+}
+
+function hasCommand(cmd: string): boolean {
+  try {
+    execFileSync('which', [cmd], { stdio: 'ignore' });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+// A path given to the tool must stay in the user's folder, links resolved first (a link
+// inside /officer/user pointing out of it is refused too).
+function userPath(param: string, value: string, mustExist: boolean): string {
+  const fix = `Fix: use a path inside ${USER_ROOT}, e.g. ${USER_ROOT}/result.json`;
+  const inside = (p: string) => p === USER_ROOT || p.startsWith(USER_ROOT + '/');
+  const abs = resolve(USER_ROOT, value);
+  if (!inside(abs)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}. ${fix}`);
+  if (mustExist && !existsSync(abs)) throw new Error(`${param}: no such file: ${abs}. Fix: check the path (list ${USER_ROOT} to see what is there).`);
+  if (!existsSync(dirname(abs))) throw new Error(`${param}: the folder ${dirname(abs)} does not exist. Fix: write into an existing folder such as ${USER_ROOT}.`);
+  const real = existsSync(abs) ? realpathSync(abs) : join(realpathSync(dirname(abs)), basename(abs));
+  if (!inside(real)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}, which resolves to ${real} through a link. ${fix}`);
+  return real;
+}
+
+function table(columns: string[], rows: Record<string, unknown>[]): string {
+  return rows.map((r, i) => `${i + 1}. ` + columns.map((c) => `${c}: ${r[c] ?? ''}`).join(' | ')).join('\n');
+}
+
+export async function execute(_toolCallId: string, params: Params): Promise<ToolResult> {
+  try {
+    const db = process.env.OFFICER_EMAIL_DB || '/officer/data/emails.db';
+    if (!existsSync(db)) {
+      return err(`No email database at ${db}: the user's email has not been synced yet. Ask the user to connect their mailbox.`);
+    }
+    if (!hasCommand('python3')) return err('python3 is required to read the email database but is not installed in the sandbox.');
+    const limit = params.limit ?? 50;
+    if (!Number.isInteger(limit) || limit < 1 || limit > 1000) return err(`limit must be a whole number from 1 to 1000, got ${params.limit}.`);
+    if (params.action === 'query' && !params.sql?.trim()) return err('sql is required for action=query, e.g. "SELECT count(*) FROM messages".');
+    if (params.action === 'search' && !params.text) return err('text is required for action=search, e.g. text: "invoice".');
+    const out = params.output_path ? userPath('output_path', params.output_path, false) : undefined;
+
+    const run = spawnSync('python3', [HELPER], {
+      input: JSON.stringify({ db, action: params.action, sql: params.sql, text: params.text, limit }),
+      encoding: 'utf-8',
+      timeout: 60_000,
+      maxBuffer: 256 * 1024 * 1024,
+    });
+    if (run.error) return err(`Could not run the database helper: ${run.error.message}`);
+    if (run.status !== 0) return err(`The database helper failed (exit ${run.status}): ${run.stderr.trim().slice(-2000)}`);
+    const res = JSON.parse(run.stdout);
+    if (res.error === 'open') return err(`Cannot open the email database at ${db}: ${res.message}. It may be damaged or not an SQLite file.`);
+    if (res.error === 'sql') return err(`SQL error: ${res.message}. Only one read-only statement per call is allowed; see action=schema for tables and columns.`);
+    if (res.error) return err(`Unknown action "${params.action}". Use one of: stats, schema, query, search.`);
+
+    if (out) {
+      writeFileSync(out, JSON.stringify(res, null, 2));
+      const n = res.rows?.length ?? res.tables?.length ?? res.objects?.length
+        ?? res.results?.reduce((a: number, r: { rows: unknown[] }) => a + r.rows.length, 0);
+      return ok(`${params.action}: ${n} items saved to ${out}`);
+    }
+    switch (params.action) {
+      case 'stats':
+        return ok(`Tables:\n${res.tables.map((t: { table: string; rows: number }) => `${t.table}: ${t.rows} rows`).join('\n') || '(none)'}`);
+      case 'schema':
+        return ok(res.objects.map((o: { sql: string }) => `${o.sql};`).join('\n\n') || '(empty database)');
+      case 'query': {
+        if (res.rows.length === 0) return ok('No results.');
+        const more = res.truncated ? `\n\n(more rows exist: raise limit, add LIMIT/OFFSET, or use output_path)` : '';
+        return ok(`${res.rows.length} results:\n\n${table(res.columns, res.rows)}${more}`);
+      }
+      default: {
+        if (res.searched.length === 0) return err('No table has a subject, sender, from or body column to search; use action=schema and action=query instead.');
+        const parts = res.results.filter((r: { rows: unknown[] }) => r.rows.length > 0).map(
+          (r: { table: string; columns: string[]; rows: Record<string, unknown>[]; truncated: boolean }) =>
+            `${r.table} (${r.rows.length}${r.truncated ? '+' : ''} matches):\n${table(r.columns, r.rows)}`);
+        return ok(parts.length ? parts.join('\n\n') : `No messages contain "${params.text}".`);
+      }
+    }
+  } catch (e) {
+    return err(e instanceof Error ? e.message : String(e));
+  }
+}

@@ -1,0 +1,253 @@
+"""The seed tools (seed/tools: email_db, ffmpeg, convert_audio_to_mp3, ocr) in real sandboxes.
+
+The daemon syncs seed/tools at start; every input is made here: a WAV written with
+Python's wave module, a PNG rendered in the sandbox by the ffmpeg tool (drawtext with
+the image's DejaVu font), a PDF written by hand, an SQLite file at
+DATA_PATH/email/<user>/emails.db. Bad input: a file that is not audio, a missing file,
+write statements (one behind WITH), paths outside /officer/user (one through a link).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import struct
+import wave
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.client import Client
+
+from tests.e2e.conftest import Daemon
+
+pytestmark = pytest.mark.docker
+
+A, B = "alice@example.com", "bob@example.com"
+
+
+def call(client: Client, name: str, arguments: dict[str, Any], progress: list[str] | None = None,
+         user: str = A) -> dict[str, Any]:
+    result = client.request(
+        "tools/call", {"user": user, "name": name, "arguments": arguments},
+        on_progress=(lambda p: progress.append(p["content"][0]["text"])) if progress is not None else None)
+    assert result["status"] in ("ok", "error"), result  # the tool answered (no crash, no timeout)
+    return result
+
+
+def text(result: dict[str, Any]) -> str:
+    return "\n".join(c["text"] for c in result["content"])
+
+
+def ok(result: dict[str, Any]) -> str:
+    assert result["isError"] is False, text(result)
+    return text(result)
+
+
+def refused(result: dict[str, Any], *words: str) -> str:
+    message = text(result)
+    assert result["isError"] is True, message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def user_dir(daemon: Daemon) -> Path:
+    path = daemon.user_dir(A)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_wav(path: Path, seconds: float = 3.0, rate: int = 16000) -> None:
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(b"".join(struct.pack("<h", int(12000 * math.sin(2 * math.pi * 440 * i / rate)))
+                                 for i in range(int(seconds * rate))))
+    path.chmod(0o644)
+
+
+def write_pdf(path: Path, line: str) -> None:
+    """A one-page PDF whose text layer says `line` (Helvetica, not embedded)."""
+    stream = f"BT /F1 24 Tf 72 700 Td ({line}) Tj ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    body, offsets = b"%PDF-1.4\n", []
+    for number, obj in enumerate(objects, 1):
+        offsets.append(len(body))
+        body += b"%d 0 obj\n%s\nendobj\n" % (number, obj)
+    xref = len(body)
+    body += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    body += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    body += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    path.write_bytes(body)
+    path.chmod(0o644)
+
+
+def make_mail(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, subject TEXT, sender TEXT, body TEXT)")
+        db.execute("CREATE TABLE labels (name TEXT)")  # nothing to search in: skipped by search
+        db.executemany("INSERT INTO messages (subject, sender, body) VALUES (?, ?, ?)", [
+            ("Invoice 1042", "billing@shop.example", "Your invoice is attached."),
+            ("Lunch?", "bob@example.com", "Noon at the usual place, 100% sure"),
+            ("Re: Lunch?", "alice@example.com", "Yes!"),
+        ])
+        db.executemany("INSERT INTO labels VALUES (?)", [("inbox",), ("work",)])
+    db.close()
+
+
+def message_count(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        (n,) = db.execute("SELECT count(*) FROM messages").fetchone()
+    db.close()
+    return n
+
+
+def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    db = daemon.data / "email" / A / "emails.db"
+    make_mail(db)  # before A's sandbox starts: the database is mounted when it exists then
+    with daemon.client() as client:
+        refused(call(client, "email_db", {"action": "stats"}, user=B), "No email database at /officer/data/emails.db")
+
+        stats = ok(call(client, "email_db", {"action": "stats"}))
+        assert "messages: 3 rows" in stats and "labels: 2 rows" in stats
+        assert "CREATE TABLE messages" in ok(call(client, "email_db", {"action": "schema"}))
+        rows = ok(call(client, "email_db", {"action": "query", "limit": 2,
+                                            "sql": "SELECT subject, sender FROM messages ORDER BY id"}))
+        assert "1. subject: Invoice 1042 | sender: billing@shop.example" in rows and "Re: Lunch?" not in rows
+        assert "more rows exist" in rows
+        found = ok(call(client, "email_db", {"action": "search", "text": "lunch"}))
+        assert "messages (2 matches)" in found and "Invoice" not in found
+        # LIKE's wildcards in the text are literal: "100%" matches one message, "%" alone too.
+        assert "messages (1 matches)" in ok(call(client, "email_db", {"action": "search", "text": "100%"}))
+        out = ok(call(client, "email_db", {"action": "query", "sql": "SELECT * FROM messages",
+                                           "output_path": "/officer/user/mail.json"}))
+        assert "3 items saved to /officer/user/mail.json" in out
+        assert len(json.loads((daemon.user_dir(A) / "mail.json").read_text())["rows"]) == 3
+
+        # The mount is read-write (test_daemon.py proves a sandbox can write it): each
+        # refusal below is SQLite's read-only open and query_only, whatever the statement.
+        for sql in ["DELETE FROM messages",
+                    "WITH doomed AS (SELECT id FROM messages) DELETE FROM messages WHERE id IN doomed",
+                    "INSERT INTO messages (subject) VALUES ('planted')",
+                    "UPDATE messages SET body = ''",
+                    "DROP TABLE labels",
+                    "CREATE TABLE planted (x)",
+                    "PRAGMA user_version = 7"]:
+            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error", "readonly")
+        # A second statement (to switch query_only off first, say) is never run.
+        refused(call(client, "email_db", {"action": "query", "sql": "PRAGMA query_only = 0; DELETE FROM messages"}),
+                "one statement")
+        refused(call(client, "email_db", {"action": "query", "sql": "SELEKT 1"}), "SQL error", "syntax error")
+        refused(call(client, "email_db", {"action": "query", "sql": "SELECT * FROM nope"}), "no such table: nope")
+        refused(call(client, "email_db", {"action": "query"}), "sql is required")
+        refused(call(client, "email_db", {"action": "stats", "output_path": "/tmp/out.json"}),
+                "output_path must be inside /officer/user")
+    assert message_count(db) == 3
+    with sqlite3.connect(db) as check:
+        assert check.execute("PRAGMA user_version").fetchone() == (0,)
+        assert check.execute("SELECT name FROM sqlite_master WHERE name = 'planted'").fetchone() is None
+    check.close()
+
+
+def test_ffmpeg_renders_and_ocr_reads_it_back(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    home = user_dir(daemon)
+    write_pdf(home / "letter.pdf", "Quarterly report for Alice")
+    with daemon.client() as client:
+        progress: list[str] = []
+        font = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+        rendered = ok(call(client, "ffmpeg", {
+            "args": json.dumps(["-f", "lavfi", "-i", "color=white:s=900x200:d=1",
+                                "-vf", f"drawtext=fontfile={font}:text=SANDBOX OCR 4217:fontsize=72:"
+                                       "fontcolor=black:x=40:y=60",
+                                "-frames:v", "1", "sign.png"]),
+            "output_path": "render.log"}, progress))
+        assert "Wrote sign.png" in rendered and "Full log saved to /officer/user/render.log" in rendered
+        assert progress and all(p.startswith("ffmpeg: ") for p in progress), progress
+        assert "Output #0, image2, to 'sign.png'" in (home / "render.log").read_text()
+        assert (home / "sign.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        probe = ok(call(client, "ffmpeg", {"program": "ffprobe", "args": json.dumps(
+            ["-v", "error", "-show_entries", "stream=width,height", "-of", "json", "sign.png"])}))
+        assert json.loads(probe)["streams"][0] == {"width": 900, "height": 200}
+
+        assert "SANDBOX OCR 4217" in ok(call(client, "ocr", {"image_path": "/officer/user/sign.png"}))
+        assert "Recognised" in ok(call(client, "ocr", {"image_path": "sign.png", "output_path": "sign.txt"}))
+        assert "SANDBOX OCR 4217" in (home / "sign.txt").read_text()
+        assert "Quarterly report for Alice" in ok(call(client, "ocr", {"image_path": "letter.pdf"}))
+
+        refused(call(client, "ffmpeg", {"args": "-i sign.png out.mp4"}), "args must be a JSON array of strings")
+        refused(call(client, "ffmpeg", {"args": json.dumps(["-i", "missing.wav", "x.mp3"])}),
+                "ffmpeg exited with status", "No such file or directory")
+        refused(call(client, "ocr", {"image_path": "letter.pdf", "page": 2}), "page 2 is out of range", "1 page")
+        refused(call(client, "ocr", {"image_path": "sign.png", "lang": "xyz"}), "language xyz is not installed", "eng")
+        refused(call(client, "ocr", {"image_path": "render.log"}), "Tesseract could not read")
+
+
+def test_convert_audio_to_mp3_converts_a_wav_and_refuses_what_is_not_audio(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    home = user_dir(daemon)
+    (home / "voice").mkdir()
+    (home / "voice").chmod(0o777)
+    write_wav(home / "voice" / "memo.wav", seconds=3.0)
+    (home / "notes.wav").write_text("not audio at all\n")
+    (home / "notes.wav").chmod(0o644)
+    with daemon.client() as client:
+        progress: list[str] = []
+        done = ok(call(client, "convert_audio_to_mp3", {"input_path": "/officer/user/voice/memo.wav", "bitrate": "64k"},
+                       progress))
+        assert "Converted to /officer/user/voice/memo.mp3" in done, done
+        duration = float(done.split("Duration: ")[1].split(" s")[0])
+        assert 2.9 < duration < 3.2, done
+        mp3 = home / "voice" / "memo.mp3"
+        assert f"Size: {mp3.stat().st_size} bytes" in done
+        assert mp3.read_bytes()[:3] == b"ID3" or mp3.read_bytes()[0] == 0xFF
+        assert progress[0].startswith("Converting memo.wav (3.0 s) to MP3 at 64k"), progress
+        assert any(p.startswith("Converting: ") and p.endswith("%") for p in progress), progress
+
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "notes.wav"}),
+                "is not an audio or video file ffmpeg can read")
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "gone.wav"}),
+                "input_path: no such file: /officer/user/gone.wav")
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "voice/memo.wav", "bitrate": "loud"}),
+                "bitrate must be from 32k to 320k")
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "voice/memo.wav", "output_path": "voice/memo.wav"}),
+                "output_path is the input file itself")
+    assert not (home / "notes.mp3").exists()
+
+
+def test_seed_tools_refuse_paths_outside_the_user_folder(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    home = user_dir(daemon)
+    write_wav(home / "memo.wav", seconds=0.5)
+    # Links inside /officer/user that point out of it: to a file and to a folder.
+    (home / "hosts.png").symlink_to("/etc/hosts")
+    (home / "outside").symlink_to("/tmp")
+    with daemon.client() as client:
+        outside = "must be inside /officer/user"
+        refused(call(client, "ocr", {"image_path": "/etc/hostname"}), "image_path " + outside)
+        refused(call(client, "ocr", {"image_path": "../../etc/hostname"}), "image_path " + outside)
+        refused(call(client, "ocr", {"image_path": "hosts.png"}), "image_path " + outside, "resolves to /etc/hosts")
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "/opt/sandboxd/shim/package.json"}),
+                "input_path " + outside)
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "memo.wav", "output_path": "/tmp/memo.mp3"}),
+                "output_path " + outside)
+        refused(call(client, "convert_audio_to_mp3", {"input_path": "memo.wav", "output_path": "outside/memo.mp3"}),
+                "output_path " + outside, "resolves to /tmp/memo.mp3")
+        refused(call(client, "ffmpeg", {"program": "ffprobe", "args": json.dumps(["-version"]),
+                                        "output_path": "outside/probe.log"}),
+                "output_path " + outside, "resolves to /tmp/probe.log")
+        refused(call(client, "ocr", {"image_path": "memo.wav", "output_path": "/officer/tools/x.txt"}),
+                "output_path " + outside)
