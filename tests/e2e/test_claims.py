@@ -121,7 +121,8 @@ def test_duration_ms_includes_the_wait_for_a_sandbox(make_daemon: Any) -> None:
         assert first.read_message()["result"]["status"] == "ok"
     assert queued["status"] == "ok"
     assert queued["durationMs"] >= 2000, queued  # hello itself takes milliseconds
-    (record,) = events(daemon, "call", tool="hello")
+    # Logged just after the answer is written: wait for it.
+    (record,) = wait_until(lambda: events(daemon, "call", tool="hello"), 10, "the queued call's log event")
     assert record["queue_ms"] >= 2000 and record["duration_ms"] >= record["queue_ms"], record
 
 
@@ -227,8 +228,12 @@ def test_a_tool_call_id_is_generated_when_absent_and_passed_to_execute(daemon: D
     assert given["details"]["toolCallId"] == "mine-1"
     ids = [result["details"]["toolCallId"] for result in generated]
     assert all(re.fullmatch(r"call_[0-9a-f]{16}", i) for i in ids) and ids[0] != ids[1], ids
-    logged = [e["tool_call_id"] for e in events(daemon, "call", tool="announcer")]
-    assert logged == ["mine-1", *ids]
+
+    def logged() -> list[str] | None:  # each call's event is written just after its answer
+        found = [e["tool_call_id"] for e in events(daemon, "call", tool="announcer")]
+        return found if len(found) == 3 else None
+
+    assert wait_until(logged, 10, "the three calls' log events") == ["mine-1", *ids]
 
 
 # -- orphans and the socket ---------------------------------------------------------------------------
