@@ -1,13 +1,19 @@
-"""`sandboxd tools list|show`, `sandboxd sync` and `sandboxd validate`: tools without a daemon."""
+"""`sandboxd tools list|show`, `sandboxd sync` and `sandboxd validate`.
+
+``tools list`` and ``tools show`` ask the running daemon when one answers at the
+configured socket (what an agent really sees), and read the disk otherwise.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 from sandboxd.cli.main import fail
+from sandboxd.client import Client, DaemonUnreachable, RpcError
 from sandboxd.config import Config
 from sandboxd.errors import InvalidParams
 from sandboxd.tools.discovery import (
@@ -27,6 +33,7 @@ from sandboxd.tools.sync import sync_tools
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 
 EXIT_OK, EXIT_FAILURE = 0, 1
+DAEMON_TIMEOUT_S = 10.0  # a daemon that does not answer tools/list by then is treated as absent
 
 
 def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
@@ -41,6 +48,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     listing.add_argument("--user", type=user_argument, metavar="U", help="include this user's tools (an email address)")
     listing.add_argument("--all", action="store_true", help="also list directories that are skipped, and why")
     listing.add_argument("--json", action="store_true", help="print the tools/list result of PROTOCOL.md")
+    _add_source_flags(listing)
     listing.set_defaults(handler=list_tools)
 
     show = tools_commands.add_parser(
@@ -49,6 +57,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     show.add_argument("name", metavar="NAME", help="the tool's name")
     show.add_argument("--user", type=user_argument, metavar="U", help="look among this user's tools too")
     show.add_argument("--json", action="store_true", help="print the tool as a tools/list Tool object")
+    _add_source_flags(show)
     show.set_defaults(handler=show_tool)
 
     sync = subparsers.add_parser(
@@ -69,6 +78,13 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     validate.set_defaults(handler=validate_command)
 
 
+def _add_source_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--socket", type=Path, metavar="PATH",
+                         help="ask the daemon on this socket (default: the config's socket)")
+    command.add_argument("--disk", action="store_true",
+                         help="read DATA_PATH instead of asking a running daemon (also implied by --data-path)")
+
+
 def user_argument(text: str) -> str:
     try:
         return check_user(text)
@@ -83,18 +99,57 @@ def _print_json(value: Any) -> None:
 # --- tools list / show -------------------------------------------------------------------------
 
 
+class _DaemonFailed(Exception):
+    """The daemon answered with an error: say it, do not fall back to a disk it may not read."""
+
+
+def _from_daemon(args: argparse.Namespace, config: Config) -> list[dict[str, Any]] | None:
+    """The daemon's tools/list answer, or None (after saying why) when the disk is to be read."""
+    if args.disk or (args.data_path is not None and args.socket is None):
+        _note(f"reading the tools from the disk in {config.data_path}")
+        return None
+    params = {"user": args.user} if args.user is not None else {}
+    try:
+        with Client(config.socket, timeout=DAEMON_TIMEOUT_S) as client:
+            result = client.request("tools/list", params)
+    except RpcError as exc:
+        raise _DaemonFailed(f"the daemon at {config.socket} refused tools/list: {exc.message}") from None
+    except (DaemonUnreachable, OSError) as exc:  # not running, not ours, or not answering in time
+        why = str(exc) if isinstance(exc, DaemonUnreachable) else f"{type(exc).__name__}: {exc}"
+        _note(f"no daemon answers at {config.socket} ({why.rstrip('.')}); reading the tools from the disk in "
+              f"{config.data_path}")
+        return None
+    _note(f"tools as the daemon at {config.socket} serves them (--disk reads {config.data_path} instead)")
+    return list(result.get("tools", []))
+
+
+def _note(message: str) -> None:
+    print(f"sandboxd: {message}", file=sys.stderr, flush=True)
+
+
 def list_tools(args: argparse.Namespace, config: Config) -> int:
-    tools, skipped = ToolCatalog(config.data_path).scan(args.user)
+    if args.all and not args.disk:
+        args.disk = True  # skipped directories are known on the disk only
+    try:
+        served = _from_daemon(args, config)
+    except _DaemonFailed as exc:
+        return fail(str(exc))
+    skipped: list[Skipped] = []
+    if served is None:
+        tools, skipped = ToolCatalog(config.data_path).scan(args.user)
+        served = [tool.to_protocol() for tool in tools]
     if args.json:
-        result: dict[str, Any] = {"tools": [tool.to_protocol() for tool in tools]}
+        result: dict[str, Any] = {"tools": served}
         if args.all:
             result["skipped"] = [_skipped_dict(entry) for entry in skipped]
         _print_json(result)
         return EXIT_OK
-    if tools:
-        _print_table(tools)
-    else:
+    if served:
+        _print_table(served)
+    elif args.disk or args.data_path is not None:
         print(f"no tools in {_roots(config, args.user)}; `sandboxd sync` installs the seed tools")
+    else:
+        print("the daemon serves no tools; `sandboxd sync` installs the seed tools")
     if args.all:
         for entry in skipped:
             print(f"\nskipped {entry.dir} ({entry.source}):")
@@ -110,9 +165,9 @@ def _roots(config: Config, user: str | None) -> str:
     return " or ".join(str(root) for root in roots)
 
 
-def _print_table(tools: list[Tool]) -> None:
+def _print_table(tools: list[dict[str, Any]]) -> None:
     rows = [("NAME", "VERSION", "SOURCE", "DESCRIPTION")]
-    rows += [(t.name, str(t.manifest.version), t.source, t.manifest.description.splitlines()[0]) for t in tools]
+    rows += [(t["name"], str(t["version"]), t["source"], (t["description"].splitlines() or [""])[0]) for t in tools]
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
@@ -123,6 +178,12 @@ def _skipped_dict(entry: Skipped) -> dict[str, Any]:
 
 
 def show_tool(args: argparse.Namespace, config: Config) -> int:
+    try:
+        served = _from_daemon(args, config)
+    except _DaemonFailed as exc:
+        return fail(str(exc))
+    if served is not None:
+        return _show_served(args, served)
     tools, skipped = ToolCatalog(config.data_path).scan(args.user)
     tool = next((t for t in tools if t.name == args.name), None)
     if tool is None:
@@ -146,6 +207,27 @@ def show_tool(args: argparse.Namespace, config: Config) -> int:
     print(json.dumps(tool.schema, indent=2, ensure_ascii=False))
     print("\ndocumentation:")
     print(manifest.body)
+    return EXIT_OK
+
+
+def _show_served(args: argparse.Namespace, served: list[dict[str, Any]]) -> int:
+    """``tools show`` from the daemon's Tool objects (which carry no path: the daemon's disk is its own)."""
+    tool = next((t for t in served if t.get("name") == args.name), None)
+    if tool is None:
+        user = f" for {args.user}" if args.user is not None else " (global tools only: add --user U for a user's)"
+        return fail(f"the daemon serves no tool {args.name}{user}; `sandboxd tools list` shows the tools")
+    if args.json:
+        _print_json(tool)
+        return EXIT_OK
+    print(f"{tool['name']} — {tool['label']}")
+    print(f"version:     {tool['version']}")
+    print(f"source:      {tool['source']}")
+    print(f"language:    {tool['language']}")
+    print(f"description: {tool['description']}")
+    print("\ninputSchema:")
+    print(json.dumps(tool["inputSchema"], indent=2, ensure_ascii=False))
+    print("\ndocumentation:")
+    print(tool["documentation"])
     return EXIT_OK
 
 

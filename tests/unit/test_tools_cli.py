@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -88,9 +93,11 @@ pytestmark = pytest.mark.usefixtures("isolated_config")
 
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
-    """A data path with the seed installed and one user tool."""
+    """A data path with the seed's hello installed and one user tool."""
     data = tmp_path / "data"
-    assert main(["sync", "--data-path", str(data), "--seed-tools", str(SEED)]) == 0
+    seed = tmp_path / "seed"
+    shutil.copytree(SEED / "hello", seed / "hello")  # the seed grows; these tests pin what they list
+    assert main(["sync", "--data-path", str(data), "--seed-tools", str(seed)]) == 0
     lookup = data / USER / "tools" / "lookup"
     lookup.mkdir(parents=True)
     (lookup / "TOOL.md").write_text(USER_TOOL_MD)
@@ -194,7 +201,8 @@ def test_show_json_is_the_protocol_tool_object(data: Path, capsys: pytest.Captur
 def test_show_an_unknown_tool_fails_and_points_to_list(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "tools", "show", "nope", "--data-path", str(data))
     assert (code, out) == (1, "")
-    assert err == "sandboxd: unknown tool nope; `sandboxd tools list` shows the tools\n"
+    assert err == (f"sandboxd: reading the tools from the disk in {data}\n"
+                   "sandboxd: unknown tool nope; `sandboxd tools list` shows the tools\n")
 
 
 def test_show_a_user_tool_without_the_user_is_unknown(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -371,3 +379,138 @@ def test_validate_reports_a_yaml_bomb_at_once(tmp_path: Path) -> None:
     (tool / "index.ts").write_text(VALID_ENTRY)
     problems = validate_paths([tool])
     assert any("anchors and aliases" in p.message for p in problems)
+
+
+# --- tools list / show ask a running daemon first (issue 14) ----------------------------------
+
+class FakeDaemon:
+    """A unix socket that answers tools/list like the daemon: canned tools, or an error, or silence."""
+
+    def __init__(self, path: Path, tools: list[dict[str, Any]] | None = None, error: str | None = None,
+                 silent: bool = False) -> None:
+        self.path, self.tools, self.error, self.silent = path, tools or [], error, silent
+        self.requests: list[dict[str, Any]] = []
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if not data:
+                    continue
+                request = json.loads(data.split(b"\n")[0])
+                self.requests.append(request)
+                if self.silent:
+                    conn.recv(1)  # hold the connection open without answering, until the client gives up
+                    continue
+                if self.error is not None:
+                    reply = {"jsonrpc": "2.0", "id": request["id"], "error": {"code": -32602, "message": self.error}}
+                else:
+                    reply = {"jsonrpc": "2.0", "id": request["id"], "result": {"tools": self.tools}}
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def short_socket() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="sbd-"))  # unix socket paths are limited to 108 bytes
+    yield directory / "sandboxd.sock"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+SERVED_TOOL = {**HELLO_PROTOCOL, "name": "served_only", "label": "Served Only", "description": "Only the daemon has it."}
+
+
+def test_list_asks_the_daemon_at_the_socket(short_socket: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = FakeDaemon(short_socket, tools=[SERVED_TOOL])
+    try:
+        code, out, err = run(capsys, "tools", "list", "--socket", str(short_socket), "--user", USER)
+    finally:
+        daemon.close()
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["served_only", "1", "global"]
+    assert f"tools as the daemon at {short_socket} serves them" in err
+    assert daemon.requests[0]["method"] == "tools/list" and daemon.requests[0]["params"] == {"user": USER}
+
+
+def test_list_json_from_the_daemon_is_its_answer(short_socket: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = FakeDaemon(short_socket, tools=[SERVED_TOOL])
+    try:
+        code, out, _ = run(capsys, "tools", "list", "--json", "--socket", str(short_socket))
+    finally:
+        daemon.close()
+    assert code == 0 and json.loads(out) == {"tools": [SERVED_TOOL]} and daemon.requests[0]["params"] == {}
+
+
+def test_show_asks_the_daemon(short_socket: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = FakeDaemon(short_socket, tools=[SERVED_TOOL])
+    try:
+        code, out, _ = run(capsys, "tools", "show", "served_only", "--json", "--socket", str(short_socket))
+        assert code == 0 and json.loads(out) == SERVED_TOOL
+        code, out, _ = run(capsys, "tools", "show", "served_only", "--socket", str(short_socket))
+        assert code == 0 and out.startswith("served_only — Served Only\n") and "\"name\"" in out
+        code, _, err = run(capsys, "tools", "show", "hello", "--socket", str(short_socket))
+        assert code == 1 and "the daemon serves no tool hello" in err and "--user" in err
+    finally:
+        daemon.close()
+
+
+def test_without_a_daemon_the_disk_is_read_and_said(data: Path, short_socket: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SANDBOXD_DATA_PATH", str(data))
+    code, out, err = run(capsys, "tools", "list", "--json", "--socket", str(short_socket), "--user", USER)
+    assert code == 0 and json.loads(out) == {"tools": [HELLO_PROTOCOL, LOOKUP_PROTOCOL]}
+    assert f"no daemon answers at {short_socket}" in err and f"reading the tools from the disk in {data}" in err
+
+
+def test_a_daemon_that_does_not_answer_is_given_up_on(data: Path, short_socket: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from sandboxd.cli import tools_cmds
+
+    monkeypatch.setattr(tools_cmds, "DAEMON_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("SANDBOXD_DATA_PATH", str(data))
+    daemon = FakeDaemon(short_socket, silent=True)
+    try:
+        code, out, err = run(capsys, "tools", "list", "--json", "--socket", str(short_socket))
+    finally:
+        daemon.close()
+    assert code == 0 and json.loads(out) == {"tools": [HELLO_PROTOCOL]}
+    assert f"no daemon answers at {short_socket}" in err and "timed out" in err
+
+
+def test_a_daemon_error_is_reported_not_papered_over(short_socket: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = FakeDaemon(short_socket, error="user is not valid")
+    try:
+        code, out, err = run(capsys, "tools", "list", "--socket", str(short_socket))
+    finally:
+        daemon.close()
+    assert (code, out) == (1, "") and "the daemon at" in err and "refused tools/list: user is not valid" in err
+
+
+@pytest.mark.parametrize("flags", [["--disk"], ["--data-path", "{data}"], ["--all"]])
+def test_disk_flags_skip_the_daemon(data: Path, short_socket: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    monkeypatch.setenv("SANDBOXD_DATA_PATH", str(data))
+    monkeypatch.setenv("SANDBOXD_SOCKET", str(short_socket))
+    daemon = FakeDaemon(short_socket, tools=[SERVED_TOOL])
+    try:
+        code, out, err = run(capsys, "tools", "list", "--json", *(f.format(data=data) for f in flags))
+    finally:
+        daemon.close()
+    assert code == 0 and [t["name"] for t in json.loads(out)["tools"]] == ["hello"]
+    assert daemon.requests == [] and f"reading the tools from the disk in {data}" in err
