@@ -251,3 +251,23 @@ def test_seed_tools_refuse_paths_outside_the_user_folder(make_daemon: Any) -> No
                 "output_path " + outside, "resolves to /tmp/probe.log")
         refused(call(client, "ocr", {"image_path": "memo.wav", "output_path": "/officer/tools/x.txt"}),
                 "output_path " + outside)
+
+
+def test_a_missing_binary_is_a_helpful_error(make_daemon: Any) -> None:
+    # A PATH without /usr/bin stands in for an image that lacks the binaries.
+    daemon = make_daemon("calls:\n  allowed_env: [PATH]\n")
+    write_wav(user_dir(daemon) / "memo.wav", seconds=0.5)
+    make_mail(daemon.data / "email" / A / "emails.db")
+    with daemon.client() as client:
+        for name, arguments, binary in [
+            ("ffmpeg", {"args": json.dumps(["-version"])}, "ffmpeg"),
+            ("ffmpeg", {"program": "ffprobe", "args": json.dumps(["-version"])}, "ffprobe"),
+            ("convert_audio_to_mp3", {"input_path": "memo.wav"}, "ffmpeg"),
+            ("ocr", {"image_path": "memo.wav"}, "tesseract"),
+        ]:
+            result = client.request("tools/call", {"user": A, "name": name, "arguments": arguments,
+                                                   "env": {"PATH": "/usr/local/bin"}})
+            refused(result, f"{binary} is not installed in the sandbox")
+        result = client.request("tools/call", {"user": A, "name": "email_db", "arguments": {"action": "stats"},
+                                               "env": {"PATH": "/usr/local/bin"}})
+        refused(result, "python3 is required to read the email database")
