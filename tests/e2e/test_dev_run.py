@@ -206,3 +206,26 @@ def test_a_daemon_on_the_process_backend_says_it_is_unsandboxed(make_daemon: Any
     assert outcome["status"] == "ok" and outcome["content"] == [{"type": "text", "text": "did 2 steps"}]
     assert len(steps) == 2
     assert "UNSANDBOXED" in daemon.log()
+
+
+def test_tools_list_in_a_second_terminal_sees_what_the_daemon_serves(make_daemon: Any, tmp_path: Path,
+                                                                    env: dict[str, str]) -> None:
+    """Issue 14: after `make serve`, `tools list` elsewhere read another data path and said there were no tools.
+    It now asks the daemon at the configured socket, and reads the disk (saying so) only when none answers."""
+    daemon = make_daemon(config="pool:\n  min_idle: 0\n")
+    user = "dev@example.com"
+    write_tool(daemon.user_dir(user) / "tools", "mine", "export async function execute() { return ok(''); }")
+    second_terminal = {**env, "SANDBOXD_SOCKET": str(daemon.socket)}  # its data path is another, empty one
+    listed = sandboxd("tools", "list", "--json", "--user", user, cwd=tmp_path, env=second_terminal)
+    assert listed.returncode == 0, listed.stderr
+    names = [tool["name"] for tool in json.loads(listed.stdout)["tools"]]
+    assert "mine" in names and "hello" in names
+    assert f"tools as the daemon at {daemon.socket} serves them" in listed.stderr
+    shown = sandboxd("tools", "show", "mine", "--json", "--user", user, cwd=tmp_path, env=second_terminal)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["source"] == "user", shown.stderr
+
+    daemon.stop()
+    listed = sandboxd("tools", "list", "--json", "--user", user, cwd=tmp_path, env=second_terminal)
+    assert listed.returncode == 0 and json.loads(listed.stdout) == {"tools": []}, listed.stderr
+    assert f"no daemon answers at {daemon.socket}" in listed.stderr
+    assert f"reading the tools from the disk in {tmp_path / 'data'}" in listed.stderr
