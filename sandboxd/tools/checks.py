@@ -86,48 +86,48 @@ def tokenize(source: str) -> list[Token]:
     """JS/TS tokens with their line numbers, from the syntax tree's leaves; comments are dropped. Never raises."""
     root, _ = _parse(source)
     tokens: list[Token] = []
-
-    def visit(node: Node) -> None:
-        kind = node.type
-        if kind in ("comment", "hash_bang_line", "html_comment"):
-            return
-        if kind == "string":
-            tokens.append(Token("string", _text(node)[1:-1] if node.end_byte - node.start_byte >= 2 else "",
-                                _line(node)))
-            return
-        if kind == "regex":
-            tokens.append(Token("regex", _text(node), _line(node)))
-            return
-        if kind == "template_string":
-            # The text between the backquotes and the ${...} substitutions, each as one template token.
-            start, line = node.start_byte + 1, node.start_point.row + 1
-            for child in node.children:
-                if child.type == "template_substitution":
-                    tokens.append(Token("template", node.text[start - node.start_byte: child.start_byte - node.start_byte]
-                                        .decode("utf-8", errors="replace"), line))
-                    for inner in child.children[1:-1]:
-                        visit(inner)
-                    start, line = child.end_byte, child.end_point.row + 1
-            stop = node.end_byte - 1 if _text(node).endswith("`") and node.end_byte - 1 >= start else node.end_byte
-            tokens.append(Token("template", node.text[start - node.start_byte: stop - node.start_byte]
-                                .decode("utf-8", errors="replace"), line))
-            return
-        if node.child_count == 0:
-            text = _text(node)
-            if not text:
-                return
-            if kind == "number":
-                tokens.append(Token("number", text, _line(node)))
-            elif re.match(r"[\w$#\u0080-\uffff]", text):
-                tokens.append(Token("name", text, _line(node)))
-            else:
-                tokens.append(Token("punct", text, _line(node)))
-            return
-        for child in node.children:
-            visit(child)
-
-    visit(root)
+    # A work list rather than recursion: hostile nesting must not exhaust Python's stack.
+    work: list[Node | Token] = [root]
+    while work:
+        item = work.pop()
+        if isinstance(item, Token):
+            tokens.append(item)
+            continue
+        work.extend(reversed(_token_items(item)))
     return tokens
+
+
+def _token_items(node: Node) -> list[Node | Token]:
+    """What one node stands for in the token stream: a token, or the items to visit in its place."""
+    kind, line = node.type, _line(node)
+    if kind in ("comment", "hash_bang_line", "html_comment"):
+        return []
+    if kind == "string":
+        return [Token("string", _text(node)[1:-1] if node.end_byte - node.start_byte >= 2 else "", line)]
+    if kind == "regex":
+        return [Token("regex", _text(node), line)]
+    if kind == "template_string":
+        # The text between the backquotes and the ${...} substitutions, each one template token.
+        raw, base = node.text or b"", node.start_byte
+        items: list[Node | Token] = []
+        start = base + 1
+        for child in node.children:
+            if child.type == "template_substitution":
+                items.append(Token("template", raw[start - base: child.start_byte - base].decode("utf-8", "replace"),
+                                   line))
+                items.extend(child.children[1:-1])  # between "${" and "}"
+                start, line = child.end_byte, child.end_point.row + 1
+        stop = node.end_byte - 1 if raw.endswith(b"`") and node.end_byte - 1 >= start else node.end_byte
+        items.append(Token("template", raw[start - base: stop - base].decode("utf-8", "replace"), line))
+        return items
+    if node.child_count:
+        return list(node.children)
+    text = _text(node)
+    if not text:
+        return []
+    if kind == "number":
+        return [Token("number", text, line)]
+    return [Token("name" if re.match(r"[\w$#\u0080-\uffff]", text) else "punct", text, line)]
 
 
 # --- exports ---------------------------------------------------------------------------------------
@@ -555,7 +555,11 @@ def _return_checks(execute: Node, add) -> None:  # type: ignore[no-untyped-def]
         return  # an arrow's expression body is its return value
     if not body.named_children or all(c.type == "comment" for c in body.named_children):
         return  # an empty body is a placeholder (TOOLS.md's own "// Implementation here")
-    if not _completes(body):
+    try:
+        completes = _completes(body)
+    except RecursionError:  # nesting deeper than Python's stack: say nothing rather than guess
+        return
+    if not completes:
         return
     returns_value = any(n.type == "return_statement" and len(n.named_children) > 0
                         for n in _walk(body, into_functions=False))

@@ -683,3 +683,13 @@ def test_export_fix_is_the_shims_hint(tmp_path: Path) -> None:
     shim = REPO / "images" / "node" / "shim" / "src" / "result.js"
     message = subprocess.run([node, "-e", script, str(shim)], capture_output=True, text=True, check=True).stdout
     assert message.endswith("; " + EXPORT_FIX), message
+
+
+@pytest.mark.parametrize("block", ["if (a) {", "if (a) { return ok('') } else {", "x(() => {"])
+def test_hostile_nesting_is_checked_without_raising(block: str) -> None:
+    depth = 5000
+    closer = "})" if block.startswith("x(") else "}"
+    source = "export async function execute() {\n" + block * depth + "work();" + closer * depth + "\n}\n"
+    assert len(tokenize(source)) > depth
+    for problem in check_entry_source(source, Path("index.ts")):
+        assert problem.field in ("no-return", "implicit-return") and problem.line is not None
