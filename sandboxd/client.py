@@ -85,26 +85,32 @@ class Client:
         self.send(message)
         interrupted = False
         while True:
+            # Ctrl-C may land anywhere in the wait, printing progress included (the moment a
+            # user sees the tool run), not only in recv: all of it is one interruptible wait.
             try:
-                reply = self.read_message()
+                reply = self._reply_to(request_id, on_progress)
             except KeyboardInterrupt:
                 if interrupted or on_interrupt is None:
                     raise
                 interrupted = True
                 on_interrupt(request_id)
                 continue
+            if "error" in reply:
+                error = reply["error"]
+                raise RpcError(error.get("code", 0), error.get("message", ""), error.get("data"))
+            return reply.get("result")
+
+    def _reply_to(self, request_id: int, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+        while True:
+            reply = self.read_message()
             if reply.get("method") == "notifications/progress":
                 if on_progress is not None:
                     on_progress(reply.get("params") or {})
                 continue
             # An error with id null could not be tied to a request (a refused connection,
             # an unparsable line); the request we are waiting on is the one that failed.
-            if reply.get("id") != request_id and not ("error" in reply and reply.get("id") is None):
-                continue
-            if "error" in reply:
-                error = reply["error"]
-                raise RpcError(error.get("code", 0), error.get("message", ""), error.get("data"))
-            return reply.get("result")
+            if reply.get("id") == request_id or ("error" in reply and reply.get("id") is None):
+                return reply
 
     def cancel(self, request_id: Any, reason: str = "cancelled by the user") -> None:
         self.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request_id, "reason": reason}})
