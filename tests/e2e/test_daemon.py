@@ -242,9 +242,7 @@ def test_overloaded_is_32001(make_daemon: Any) -> None:
     daemon = make_daemon("pool:\n  max_per_user: 1\n  min_idle: 0\n  acquire_timeout_ms: 2000\n")
     with daemon.client() as first, daemon.client() as second:
         assert call(first, "hello", {"name": "warm"})["status"] == "ok"
-        first.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                    "params": {"user": A, "name": "sleeper", "arguments": {"ms": 8000}}})
-        time.sleep(0.5)
+        start_running(first, 1, "announcer", {"ms": 8000})  # holds alice's one sandbox
         with pytest.raises(RpcError) as info:
             call(second, "hello", {"name": "x"})
         assert info.value.code == -32001
@@ -434,12 +432,15 @@ def test_shutdown_lets_calls_in_flight_finish(make_daemon: Any) -> None:
     client = daemon.client()
     call(client, "hello", {"name": "warm"})
 
+    running = threading.Event()
+
     def slow() -> None:
-        results.append(call(client, "sleeper", {"ms": 1500}))
+        results.append(client.request("tools/call", {"user": A, "name": "announcer", "arguments": {"ms": 1500}},
+                                      on_progress=lambda _: running.set()))
 
     thread = threading.Thread(target=slow)
     thread.start()
-    time.sleep(0.5)
+    assert running.wait(30), "the call did not start"
     daemon.proc.send_signal(signal.SIGTERM)
     thread.join(20)
     assert results and results[0]["status"] == "ok"
@@ -497,14 +498,15 @@ export async function execute() {
 
 def test_cli_ctrl_c_cancels_the_call(daemon: Daemon) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sandboxd", "call", "--socket", str(daemon.socket), "--user", A, "sleeper", "--arg", "ms=30000"],
+        [sys.executable, "-m", "sandboxd", "call", "--socket", str(daemon.socket), "--user", A, "announcer", "--arg", "ms=30000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
-    time.sleep(3)
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == "… running\n"  # the CLI printed the tool's first progress: it runs
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1, err
-    assert "aborted after" in out and "cancelled with Ctrl-C" in out
+    assert "aborted: " in out and "cancelled with Ctrl-C" in out
     assert "status cancelled" in err
 
 
