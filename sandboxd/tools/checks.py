@@ -16,10 +16,11 @@ findings apart.
 from __future__ import annotations
 
 import filecmp
+import functools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,8 @@ class _Exports:
     commonjs: Node | None = None  # module.exports / exports.x: runs in sandboxd, not in pi's own loader
     commonjs_how: str = ""
     unknown: bool = False  # export *, module.exports = require(...): execute may be exported unseen
+    execute_from: tuple[str, str] | None = None  # export { run as execute } from './impl': ("./impl", "run")
+    star_from: list[str] = field(default_factory=list)  # export * from './impl'
     problems: list[tuple[Node | None, str, str, str]] = field(default_factory=list)  # node, check id, message, fix
 
 
@@ -257,11 +260,14 @@ def _export_statement(statement: Node, out: _Exports) -> None:
             if _name_of(exported) == "execute":
                 out.execute_at = statement
                 out.execute_value = None if source is not None else local
+                if source is not None:
+                    out.execute_from = (_string_value(source), _name_of(local))
         return
     if source is not None:
         # export * from './impl' may carry execute; export * as ns from does not
         if not any(c.type == "namespace_export" for c in statement.named_children):
             out.unknown = True
+            out.star_from.append(_string_value(source))
         return
     if any(c.type == "=" for c in statement.children) and statement.named_children:  # TypeScript's "export = value"
         _module_exports_value(statement, statement.named_children[-1], out, "export =")
@@ -355,19 +361,129 @@ def _execute_function(root: Node, exports: _Exports) -> Node | None:
     return None
 
 
+def _imported_from(root: Node, local: str) -> tuple[str, str] | None:
+    """``import { name as local } from 'spec'`` → ("spec", "name"); None when ``local`` is not imported so."""
+    for statement in root.named_children:
+        if statement.type != "import_statement" or statement.child_by_field_name("source") is None:
+            continue
+        for node in _walk(statement):
+            if node.type == "import_specifier":
+                name = node.child_by_field_name("name")
+                alias = node.child_by_field_name("alias") or name
+                if _name_of(alias) == local:
+                    return _string_value(statement.child_by_field_name("source")), _name_of(name)
+    return None
+
+
+def _exported_function(root: Node, name: str) -> Node | tuple[str, str] | None:
+    """What a module exports as ``name``: its function, ("spec", "name") when it comes from another module,
+    or None when this cannot tell."""
+    for statement in root.named_children:
+        if statement.type != "export_statement" or any(c.type == "default" for c in statement.children):
+            continue
+        declaration = statement.child_by_field_name("declaration")
+        if declaration is not None:
+            if declaration.type in _FUNCTIONS and _text(declaration.child_by_field_name("name")) == name:
+                return declaration
+            if declaration.type in ("lexical_declaration", "variable_declaration"):
+                for declarator in declaration.named_children:
+                    if _text(declarator.child_by_field_name("name")) == name:
+                        value = _unwrap(declarator.child_by_field_name("value"))
+                        return value if value is not None and value.type in _FUNCTIONS else None
+            continue
+        clause = next((c for c in statement.named_children if c.type == "export_clause"), None)
+        source = statement.child_by_field_name("source")
+        for specifier in clause.named_children if clause is not None else []:
+            local = specifier.child_by_field_name("name")
+            if _name_of(specifier.child_by_field_name("alias") or local) != name:
+                continue
+            if source is not None:
+                return _string_value(source), _name_of(local)
+            found = _execute_function(root, _Exports(execute_value=local))
+            return found if found is not None else _imported_from(root, _name_of(local))
+    return None
+
+
+ModuleReader = Callable[[Path, str], "tuple[Path, str] | None"]
+MAX_FOLLOWED_MODULES = 4  # re-export hops followed from the entry file
+
+
+def _follow_execute(path: Path, root: Node, exports: _Exports, read_module: ModuleReader
+                    ) -> tuple[Path, Node] | None:
+    """The execute that the entry re-exports from a module next to it: that file and the function."""
+    targets: list[tuple[str, str]] = []
+    if exports.execute_from is not None:
+        targets.append(exports.execute_from)
+    elif exports.execute_value is not None and exports.execute_value.type == "identifier":
+        imported = _imported_from(root, _text(exports.execute_value))  # import { run } ...; export { run as execute }
+        if imported is not None:
+            targets.append(imported)
+    elif exports.execute_at is None:
+        targets.extend((spec, "execute") for spec in exports.star_from)
+    seen: set[Path] = set()
+    for spec, name in targets:
+        current = path
+        for _ in range(MAX_FOLLOWED_MODULES):
+            module = read_module(current, spec)
+            if module is None or module[0] in seen:
+                break
+            current, text = module
+            seen.add(current)
+            found = _exported_function(_parse(text, current.name)[0], name)
+            if isinstance(found, tuple):
+                spec, name = found
+                continue
+            if found is not None:
+                return current, found
+            break
+    return None
+
+
+_MODULE_SUFFIXES = (".ts", ".tsx", ".mts", ".cts", ".js", ".mjs", ".cjs", ".jsx")
+
+
+def read_sibling_module(root: Path, importer: Path, spec: str) -> tuple[Path, str] | None:
+    """The file a relative import names, when it lies inside the tool's folder ``root`` (the sandbox mounts
+    only that folder, so a module outside it would not load there either)."""
+    if not spec.startswith(("./", "../")):
+        return None  # a package or a node: builtin: not the tool's code
+    base = importer.parent / spec
+    names = [base] if base.suffix in _MODULE_SUFFIXES else []
+    if base.suffix in (".js", ".mjs", ".cjs"):  # TypeScript's ESM convention: './impl.js' is impl.ts
+        names.append(base.with_suffix(base.suffix.replace("j", "t")))
+    names += [base.with_name(base.name + suffix) for suffix in _MODULE_SUFFIXES]
+    names += [base / f"index{suffix}" for suffix in _MODULE_SUFFIXES]
+    for candidate in names:
+        if candidate.is_file() and candidate.resolve().is_relative_to(root.resolve()):
+            try:
+                data = candidate.read_bytes()[: MAX_SOURCE_BYTES + 1]
+                if len(data) > MAX_SOURCE_BYTES:
+                    return None
+                return candidate, data.decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                return None
+    return None
+
+
 # --- the checks ------------------------------------------------------------------------------------
 
 
-def check_entry_source(text: str, path: Path) -> list[Problem]:
-    """Every finding of the Common Mistakes checks in the entry file's source ``text``."""
+def check_entry_source(text: str, path: Path, read_module: ModuleReader | None = None) -> list[Problem]:
+    """Every finding of the Common Mistakes checks in the entry file's source ``text``.
+
+    With ``read_module`` (see ``read_sibling_module``), an execute re-exported from another module of
+    the tool (``export { execute } from './impl'``, ``export * from './impl'``) is checked there.
+    """
     root, _ = _parse(text, path.name)
     name = path.name
     findings: list[Problem] = []
 
+    where = path  # the file execute's findings are in: the entry, or the module it re-exports execute from
+
     def add(node: Node | None, check: str, message: str, fix: str, severity: str = "error",
             line: int | None = None) -> None:
         line = line if line is not None else _line(node) if node is not None else 1  # None: the whole file
-        findings.append(Problem(path, message, fix, field=check, line=line, severity=severity))  # type: ignore[arg-type]
+        findings.append(Problem(where, message, fix, field=check, line=line, severity=severity))  # type: ignore[arg-type]
 
     exports = _find_exports(root)
     exported = exports.execute_at is not None
@@ -409,6 +525,10 @@ def check_entry_source(text: str, path: Path) -> list[Problem]:
             "warning" if bun_guarded else "error")
 
     execute = _execute_function(root, exports)
+    if execute is None and read_module is not None:
+        followed = _follow_execute(path, root, exports, read_module)
+        if followed is not None:
+            where, execute = followed
     if execute is not None:
         for node, snippet in _prints_in(execute):
             add(node, "console-log",
@@ -422,7 +542,7 @@ def check_entry_source(text: str, path: Path) -> list[Problem]:
                 "return an error result instead, e.g. 'return err(\"what went wrong and what to do\")', or wrap "
                 "execute's body in try/catch and return { content: [...], isError: true } from the catch", "warning")
         _return_checks(execute, add)
-    return sorted(findings, key=lambda p: (p.line or 0))
+    return sorted(findings, key=lambda p: (p.path != path, p.line or 0))
 
 
 def check_entry_file(path: Path) -> list[Problem]:
@@ -439,7 +559,7 @@ def check_entry_file(path: Path) -> list[Problem]:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         return [Problem(path, f"{path.name} is not UTF-8 text (byte {exc.start})", "save the file as UTF-8", line=line)]
-    return check_entry_source(text, path)
+    return check_entry_source(text, path, functools.partial(read_sibling_module, path.parent))
 
 
 def _inside_function(node: Node) -> bool:

@@ -693,3 +693,46 @@ def test_hostile_nesting_is_checked_without_raising(block: str) -> None:
     assert len(tokenize(source)) > depth
     for problem in check_entry_source(source, Path("index.ts")):
         assert problem.field in ("no-return", "implicit-return") and problem.line is not None
+
+
+# --- re-exports from the tool's other modules are followed ---------------------------------------
+
+IMPL_NO_RETURN = "export async function execute(_id: string, p: Params) {\n  console.log(p.city);\n}\n"
+
+
+@pytest.mark.parametrize(("entry", "impl_name"), [
+    ("export { execute } from './impl';\n", "impl.ts"),
+    ("export { execute } from './impl.js';\n", "impl.ts"),  # TypeScript's ESM spelling of impl.ts
+    ("export * from './lib';\n", "lib/index.ts"),
+    ("import { execute as run } from './impl';\nexport { run as execute };\n", "impl.ts"),
+])
+def test_an_execute_re_exported_from_a_module_of_the_tool_is_checked_there(tmp_path: Path, entry: str,
+                                                                           impl_name: str) -> None:
+    (tmp_path / "index.ts").write_text(entry)
+    impl = tmp_path / impl_name
+    impl.parent.mkdir(parents=True, exist_ok=True)
+    impl.write_text(IMPL_NO_RETURN)
+    assert [(p.path, p.field, p.line) for p in check_entry_file(tmp_path / "index.ts")] == [
+        (impl, "no-return", 1), (impl, "console-log", 2)]
+
+
+def test_re_exports_are_followed_through_several_modules(tmp_path: Path) -> None:
+    (tmp_path / "index.ts").write_text("export { run as execute } from './a';\n")
+    (tmp_path / "a.ts").write_text("export { go as run } from './b';\n")
+    (tmp_path / "b.ts").write_text("function go() {\n  throw new Error('x');\n}\nexport { go };\n")
+    assert [(p.path.name, p.field, p.line) for p in check_entry_file(tmp_path / "index.ts")] == [("b.ts", "throw", 2)]
+
+
+def test_re_exports_stay_inside_the_tool_and_survive_cycles(tmp_path: Path) -> None:
+    tool = tmp_path / "tool"
+    tool.mkdir()
+    (tmp_path / "outside.ts").write_text(IMPL_NO_RETURN)
+    (tool / "index.ts").write_text("export { execute } from '../outside';\n")
+    assert check_entry_file(tool / "index.ts") == []
+    (tool / "link.ts").symlink_to(tmp_path / "outside.ts")
+    (tool / "index.ts").write_text("export { execute } from './link';\n")
+    assert check_entry_file(tool / "index.ts") == []
+    (tool / "index.ts").write_text("export { execute } from './a';\n")
+    (tool / "a.ts").write_text("export { execute } from './b';\n")
+    (tool / "b.ts").write_text("export { execute } from './a';\n")
+    assert check_entry_file(tool / "index.ts") == []
