@@ -95,6 +95,9 @@ def write_pdf(path: Path, line: str) -> None:
 def make_mail(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as db:
+        # WAL, as a mail sync that reads while it writes would leave it: a read-only open
+        # then needs a -shm file beside the database (in the sandbox's /officer/data).
+        db.execute("PRAGMA journal_mode=WAL")
         db.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, subject TEXT, sender TEXT, body TEXT)")
         db.execute("CREATE TABLE labels (name TEXT)")  # nothing to search in: skipped by search
         db.executemany("INSERT INTO messages (subject, sender, body) VALUES (?, ?, ?)", [

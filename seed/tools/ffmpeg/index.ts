@@ -9,6 +9,34 @@ type Params = { program?: string; args: string; output_path?: string; timeout_se
 const USER_ROOT = '/officer/user';
 const LOG_TAIL_LINES = 20;
 const INLINE_STDOUT = 20_000;
+// What is kept in memory of each stream: a program that floods stdout or its log
+// must not take the sandbox's memory with it.
+const KEEP_HEAD = 8 * 1024 * 1024;
+const KEEP_TAIL = 64 * 1024;
+
+// A stream's first KEEP_HEAD characters and, past them, its last KEEP_TAIL.
+class Capture {
+  head = '';
+  tail = '';
+  dropped = 0;
+
+  add(d: string): void {
+    if (this.head.length < KEEP_HEAD) {
+      this.head += d;
+      return;
+    }
+    this.dropped += d.length;
+    this.tail = (this.tail + d).slice(-KEEP_TAIL);
+  }
+
+  text(): string {
+    return this.dropped ? `${this.head}\n… (${this.dropped} characters left out) …\n${this.tail}` : this.head;
+  }
+
+  last(): string {
+    return this.dropped ? this.tail : this.head;
+  }
+}
 
 function ok(text: string): ToolResult {
   return { content: [{ type: 'text', text }] };
@@ -79,15 +107,15 @@ export async function execute(
       ? ['-hide_banner', '-nostdin', '-y', '-progress', 'pipe:3', '-stats_period', '1', ...userArgs]
       : ['-hide_banner', ...userArgs];
     const child = spawn(program, args, { cwd: USER_ROOT, stdio: ['ignore', 'pipe', 'pipe', 'pipe'] });
-    let stdout = '';
-    let stderr = '';
+    const out = new Capture();
+    const log = new Capture();
     let durationS = NaN;
     let progress = '';
-    child.stdout!.setEncoding('utf-8').on('data', (d: string) => { stdout += d; });
+    child.stdout!.setEncoding('utf-8').on('data', (d: string) => out.add(d));
     child.stderr!.setEncoding('utf-8').on('data', (d: string) => {
-      stderr += d;
-      if (Number.isNaN(durationS)) {
-        const m = /Duration: (\d+:\d+:\d+(?:\.\d+)?)/.exec(stderr);
+      log.add(d);
+      if (Number.isNaN(durationS) && !log.dropped) {
+        const m = /Duration: (\d+:\d+:\d+(?:\.\d+)?)/.exec(log.head);
         if (m) durationS = seconds(m[1]);
       }
     });
@@ -119,9 +147,10 @@ export async function execute(
       child.on('close', (c, s) => res([c, s]));
     }).finally(() => { clearTimeout(timer); signal?.removeEventListener('abort', onAbort); });
 
-    const log = program === 'ffprobe' ? stdout + (stderr ? `\n${stderr}` : '') : stderr;
-    if (logPath) writeFileSync(logPath, log);
-    const tail = stderr.trim().split('\n').slice(-LOG_TAIL_LINES).join('\n');
+    const stdout = out.text();
+    const stderr = log.text();
+    if (logPath) writeFileSync(logPath, program === 'ffprobe' ? stdout + (stderr ? `\n${stderr}` : '') : stderr);
+    const tail = log.last().trim().split('\n').slice(-LOG_TAIL_LINES).join('\n');
     const saved = logPath ? `\nFull log saved to ${logPath}.` : '';
     if (timedOut) return err(`${program} was stopped after ${timeout} s. Raise timeout_seconds or process a shorter piece.${saved}\n${tail}`);
     if (code !== 0) return err(`${program} exited with ${sig ? `signal ${sig}` : `status ${code}`}.${saved}\nLast lines of its log:\n${tail}`);
