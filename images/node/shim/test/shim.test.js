@@ -537,10 +537,7 @@ describe('calling', () => {
       const { result } = await shim.call('console-noise', {}, { toolCallId: 'noise_1' });
       assert.equal(result.status, 'ok', JSON.stringify(result));
       assert.equal(shim.text(result), 'quiet result; child stdin read 0 bytes');
-      await new Promise((r) => setTimeout(r, 100));
-      await shim.request('ping');
-      const err = shim.stderr;
-      for (const line of [
+      const lines = [
         '[noise_1] noise at load time',
         '[noise_1] console.log line',
         '[noise_1] console.info line',
@@ -553,8 +550,12 @@ describe('calling', () => {
         'spawnSync child line',
         'spawnSync child err',
         '[noise_1 (finished)] late line after the result',
-      ]) {
-        assert.ok(err.includes(line), `stderr has ${JSON.stringify(line)}:\n${err}`);
+      ];
+      // Child output and the late line come on their own time: wait for them, not for 100 ms.
+      await waitFor(() => lines.every((line) => shim.stderr.includes(line)), 'every line on stderr').catch(() => {});
+      await shim.request('ping');
+      for (const line of lines) {
+        assert.ok(shim.stderr.includes(line), `stderr has ${JSON.stringify(line)}:\n${shim.stderr}`);
       }
       await shim.close();
     });
