@@ -293,6 +293,7 @@ def test_shutdown_refuses_new_calls(tmp_path: Path) -> None:
         server.stopping = True
         reply = await conn.request("tools/call", {"user": USER, "name": "hello", "arguments": {"name": "x"}})
         assert reply["error"]["code"] == -32002 and "shutting down" in reply["error"]["message"]
+        assert server.status()["calls"] == {"shutting_down": 1}  # counted like every other answer
         server.stopping = False
         await server.shutdown()
         assert not cfg.socket.exists()
