@@ -229,3 +229,15 @@ def test_tools_list_in_a_second_terminal_sees_what_the_daemon_serves(make_daemon
     assert listed.returncode == 0 and json.loads(listed.stdout) == {"tools": []}, listed.stderr
     assert f"no daemon answers at {daemon.socket}" in listed.stderr
     assert f"reading the tools from the disk in {tmp_path / 'data'}" in listed.stderr
+
+
+def test_the_sandbox_and_validate_give_the_same_export_fix(tmp_path: Path, env: dict[str, str]) -> None:
+    """One source for the fix text (images/node/shim/src/fixes.json): the image's shim and the linter agree."""
+    from sandboxd.tools.checks import EXECUTE_SIGNATURE, EXPORT_FIX
+
+    write_tool(tmp_path, "classy", "export class MyTool { async run() { return 1; } }\n")
+    ran = sandboxd("run", "classy", cwd=tmp_path, env=env)
+    assert ran.returncode == 1 and "Class-based tools are not supported" in ran.stdout, (ran.stdout, ran.stderr)
+    assert ran.stdout.rstrip("\n").endswith("; " + EXPORT_FIX)  # the shim's load-time error, from the image
+    [finding] = [line for line in ran.stderr.splitlines() if line.startswith("classy/index.ts:1: class-pattern:")]
+    assert finding.endswith(EXECUTE_SIGNATURE)  # the linter's fix names the same signature
