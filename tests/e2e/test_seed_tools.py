@@ -14,6 +14,7 @@ import math
 import sqlite3
 import struct
 import wave
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,16 @@ def write_wav(path: Path, seconds: float = 3.0, rate: int = 16000) -> None:
 def write_pdf(path: Path, line: str) -> None:
     """A one-page PDF whose text layer says `line` (Helvetica, not embedded)."""
     stream = f"BT /F1 24 Tf 72 700 Td ({line}) Tj ET".encode()
-    objects = [
+    write_pdf_objects(path, [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
         b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream),
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
+    ])
+
+
+def write_pdf_objects(path: Path, objects: list[bytes]) -> None:
     body, offsets = b"%PDF-1.4\n", []
     for number, obj in enumerate(objects, 1):
         offsets.append(len(body))
@@ -90,6 +94,22 @@ def write_pdf(path: Path, line: str) -> None:
     body += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
     path.write_bytes(body)
     path.chmod(0o644)
+
+
+def write_scanned_pdf(path: Path, gray: bytes, width: int, height: int) -> None:
+    """A one-page PDF holding only an image (8-bit gray pixels): no text layer, as a scan."""
+    pixels = zlib.compress(gray)
+    content = b"q %d 0 0 %d 36 500 cm /Scan Do Q" % (width // 2, height // 2)
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        b" /Resources << /XObject << /Scan 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
+        b"<< /Type /XObject /Subtype /Image /Width %d /Height %d /ColorSpace /DeviceGray /BitsPerComponent 8"
+        b" /Filter /FlateDecode /Length %d >>\nstream\n%s\nendstream" % (width, height, len(pixels), pixels),
+    ]
+    write_pdf_objects(path, objects)
 
 
 def make_mail(path: Path) -> None:
@@ -190,6 +210,16 @@ def test_ffmpeg_renders_and_ocr_reads_it_back(make_daemon: Any) -> None:
         assert "Recognised" in ok(call(client, "ocr", {"image_path": "sign.png", "output_path": "sign.txt"}))
         assert "SANDBOX OCR 4217" in (home / "sign.txt").read_text()
         assert "Quarterly report for Alice" in ok(call(client, "ocr", {"image_path": "letter.pdf"}))
+
+        # A JPEG, and a scanned PDF (only an image, no text layer: rendered, then read).
+        ok(call(client, "ffmpeg", {"args": json.dumps(["-i", "sign.png", "sign.jpg"])}))
+        assert "SANDBOX OCR 4217" in ok(call(client, "ocr", {"image_path": "sign.jpg"}))
+        ok(call(client, "ffmpeg", {"args": json.dumps(["-i", "sign.png", "-f", "rawvideo", "-pix_fmt", "gray",
+                                                      "sign.gray"])}))
+        write_scanned_pdf(home / "scan.pdf", (home / "sign.gray").read_bytes(), 900, 200)
+        progress.clear()
+        assert "SANDBOX OCR 4217" in ok(call(client, "ocr", {"image_path": "scan.pdf"}, progress))
+        assert any("no text layer" in p for p in progress), progress
 
         refused(call(client, "ffmpeg", {"args": "-i sign.png out.mp4"}), "args must be a JSON array of strings")
         refused(call(client, "ffmpeg", {"args": json.dumps(["-i", "missing.wav", "x.mp3"])}),
