@@ -141,6 +141,12 @@ class Backend(Protocol):
         """Remove sandboxes left by an earlier run of this daemon; return how many."""
         ...
 
+    async def preflight(self) -> None:
+        """At start-up: raise ConfigError when no sandbox could ever start as configured
+        (a rootless or remote Docker engine with the socket transport). An unreachable
+        backend is not that: it may come back."""
+        ...
+
     def entry_path(self, tool: Tool) -> str:
         """The path of a tool's entry file as seen inside the sandbox."""
         ...

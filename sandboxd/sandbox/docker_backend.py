@@ -33,7 +33,7 @@ import requests.exceptions
 from docker.types import LogConfig, Mount, Ulimit
 
 from sandboxd.config import AUTO_SANDBOX_ID, DEFAULT_NETWORK, SandboxConfig
-from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import (
     CONTAINER_EMAIL_DB,
@@ -70,6 +70,26 @@ def sandbox_user(setting: str) -> str:
     if setting != "auto":
         return setting
     return f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
+
+
+ATTACH_HINT = "set sandbox.transport: attach"
+
+
+def engine_url(config: SandboxConfig) -> str:
+    return config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
+
+
+def shim_dir_problem(info: dict[str, Any], shim_dir: Path) -> str | None:
+    """Why an engine on this host (its ``docker info``) cannot bind-mount ``shim_dir``, or None.
+
+    A rootless engine runs in a user and mount namespace of its own: paths made after it
+    started (the daemon's runtime directory under /run, say) are not there, and the
+    sandbox uid is not mapped in it. Its "rootless" security option says so reliably.
+    """
+    options = info.get("SecurityOptions") or []
+    if any("name=rootless" in option.split(",") for option in options):
+        return f"the Docker engine is rootless and cannot see {shim_dir}; {ATTACH_HINT}"
+    return None
 
 
 def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
@@ -248,6 +268,7 @@ class DockerBackend:
         self._shim_dir = shim_dir
         self._shim_dir_is_temporary = shim_dir is None
         self._shim_dir_ready = False
+        self._engine_checked = False  # shim_dir_problem found none on the engine that answered
         if shim_dir is not None and config.transport == "socket":
             self._prepare_shim_dir()  # an unsafe directory stops start-up (OSError), not every later call
         self._api: docker.APIClient | None = None
@@ -261,6 +282,7 @@ class DockerBackend:
         """Settings for sandboxes started from now on (on reload; the engine connection stays)."""
         self.user = sandbox_user(config.user)
         self.config = config
+        self._engine_checked = False  # the transport may have changed
 
     # -- plumbing -------------------------------------------------------------
 
@@ -332,12 +354,10 @@ class DockerBackend:
     async def start(self, spec: SandboxSpec) -> DockerSandbox:
         listener = None
         if self.config.transport == "socket":
-            engine = self.config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
-            if not engine.startswith("unix://"):
-                raise BackendUnavailable(
-                    f"sandbox.transport is socket, but the Docker engine at {engine} is not on this host; "
-                    "set sandbox.transport: attach for a remote engine."
-                )
+            if not self._engine_checked:
+                problem = await self._shim_transport_problem()
+                if problem is not None:
+                    raise BackendUnavailable(problem)
             listener = _ShimListener(self.shim_dir(), self.instance, uid=int(self.user.split(":")[0]))
         try:
             return await self._start(spec, listener)
@@ -410,6 +430,27 @@ class DockerBackend:
         sandbox.channel.shutdown()
         sandbox.close_transports()
         await self._remove_quiet(sandbox.container_id)
+
+    async def preflight(self) -> None:
+        if self.config.transport != "socket":
+            return
+        try:
+            problem = await self._shim_transport_problem()
+        except BackendUnavailable:
+            return  # the engine is away: checked before the first sandbox starts instead
+        if problem is not None:
+            raise ConfigError(problem)
+
+    async def _shim_transport_problem(self) -> str | None:
+        """Why the engine cannot see the shim sockets' directory, or None (then not asked again).
+        Raises BackendUnavailable when the engine does not answer."""
+        engine = engine_url(self.config)
+        if not engine.startswith("unix://"):
+            return f"the Docker engine at {engine} is remote and cannot see {self.shim_dir()}; {ATTACH_HINT}"
+        info = await self._run(lambda: self.api().info())
+        problem = shim_dir_problem(info, self.shim_dir())
+        self._engine_checked = problem is None
+        return problem
 
     async def _owned(self) -> list[dict[str, Any]]:
         return await self._run(
@@ -519,19 +560,29 @@ class DockerBackend:
             # Tool output is read over attach; a json-file log would let a flood fill the disk.
             log_config=LogConfig(type=LogConfig.types.NONE),
         )
-        container = self.api().create_container(
-            cfg.image,
-            name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}",
-            stdin_open=shim_dir is None,  # the protocol's way in, in attach mode only
-            tty=False,
-            user=self.user,
-            environment=environment,
-            working_dir=CONTAINER_USER,
-            labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user,
-                    LABEL_DATA_PATH: str(spec.root)},
-            host_config=host_config,
-            network_disabled=cfg.network == "none",
-        )
+        try:
+            container = self.api().create_container(
+                cfg.image,
+                name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}",
+                stdin_open=shim_dir is None,  # the protocol's way in, in attach mode only
+                tty=False,
+                user=self.user,
+                environment=environment,
+                working_dir=CONTAINER_USER,
+                labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user,
+                        LABEL_DATA_PATH: str(spec.root)},
+                host_config=host_config,
+                network_disabled=cfg.network == "none",
+            )
+        except docker.errors.APIError as exc:
+            # An engine that does not share this host's filesystem (remote behind a unix
+            # socket, in a VM) and that `docker info` did not give away.
+            if shim_dir is not None and "bind source path does not exist" in str(exc) and str(shim_dir) in str(exc):
+                raise BackendUnavailable(
+                    f"the Docker engine cannot see {shim_dir.parent} (bind source path does not exist): it does not "
+                    f"share this host's filesystem; {ATTACH_HINT}"
+                ) from None
+            raise
         return container["Id"]
 
     def _network(self) -> str:

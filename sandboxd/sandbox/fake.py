@@ -135,6 +135,9 @@ class FakeBackend:
         count, self.orphans = len(self.orphans), []
         return count
 
+    async def preflight(self) -> None:
+        pass
+
     def entry_path(self, tool: Any) -> str:
         return str(tool.entry)
 

@@ -159,6 +159,9 @@ class ProcessBackend:
     async def remove_orphans(self) -> int:
         return 0  # processes die with the daemon (their stdin closes)
 
+    async def preflight(self) -> None:
+        pass  # local processes: nothing to see or not see
+
     def entry_path(self, tool: Any) -> str:
         return str(tool.entry)
 

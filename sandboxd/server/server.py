@@ -107,6 +107,7 @@ class Server:
         if cfg.seed_tools is not None:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
+        await self.backend.preflight()  # a rootless or remote engine: one line now, not an error per call
         await self._remove_orphans()
         await asyncio.to_thread(self._migrate_email_dbs)
         self._check_data_path_mount()

@@ -11,11 +11,15 @@ import asyncio
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests.exceptions
 
-from sandboxd.config import Config, load_config
-from sandboxd.errors import ConfigError
+from sandboxd.config import Config, SandboxConfig, load_config
+from sandboxd.errors import BackendUnavailable, ConfigError
+from sandboxd.sandbox.backend import SandboxSpec
+from sandboxd.sandbox.docker_backend import DockerBackend, shim_dir_problem
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server, instance_id
 
@@ -141,3 +145,69 @@ def test_a_second_daemon_on_the_same_data_path_is_refused_before_it_reaps_anythi
         await third.shutdown()
 
     asyncio.run(main())
+
+
+# -- an engine that cannot see the shim sockets' directory ---------------------------------------
+
+ROOTFUL_INFO = {"SecurityOptions": ["name=apparmor", "name=seccomp,profile=builtin", "name=cgroupns"],
+                "DockerRootDir": "/var/lib/docker"}
+ROOTLESS_INFO = {"SecurityOptions": ["name=seccomp,profile=builtin", "name=rootless", "name=cgroupns"],
+                 "DockerRootDir": "/home/alice/.local/share/docker"}
+
+
+class FakeEngine:
+    """The one call the preflight makes."""
+
+    def __init__(self, info: dict[str, Any] | None) -> None:
+        self._info = info
+
+    def info(self) -> dict[str, Any]:
+        if self._info is None:
+            raise requests.exceptions.ConnectionError("engine away")
+        return self._info
+
+
+def docker_backend(tmp_path: Path, info: dict[str, Any] | None, **sandbox: Any) -> DockerBackend:
+    shim_dir = tmp_path / "run" / "sandboxd.sock.shims"
+    shim_dir.parent.mkdir(mode=0o755, parents=True)
+    backend = DockerBackend(SandboxConfig(**sandbox), instance="i" * 12, max_line_bytes=1 << 20, shim_dir=shim_dir)
+    backend._api = FakeEngine(info)  # type: ignore[assignment]
+    return backend
+
+
+def test_the_rootless_option_is_what_tells_a_rootless_engine(tmp_path: Path) -> None:
+    assert shim_dir_problem(ROOTFUL_INFO, tmp_path) is None
+    assert shim_dir_problem({}, tmp_path) is None  # an old engine that lists no options
+    assert shim_dir_problem(ROOTLESS_INFO, tmp_path) == (
+        f"the Docker engine is rootless and cannot see {tmp_path}; set sandbox.transport: attach")
+    # "rootless" elsewhere in an option is not the option
+    assert shim_dir_problem({"SecurityOptions": ["name=seccomp,profile=/etc/rootless.json"]}, tmp_path) is None
+
+
+def test_preflight_stops_start_up_in_one_line_on_a_rootless_engine(tmp_path: Path) -> None:
+    backend = docker_backend(tmp_path, ROOTLESS_INFO)
+    with pytest.raises(ConfigError) as info:
+        asyncio.run(backend.preflight())
+    assert info.value.message == (f"the Docker engine is rootless and cannot see {tmp_path / 'run' / 'sandboxd.sock.shims'}; "
+                                  "set sandbox.transport: attach")
+    with pytest.raises(BackendUnavailable, match="is rootless and cannot see"):  # and every start, if it got that far
+        asyncio.run(backend.start(spec(tmp_path)))
+
+
+def test_preflight_passes_a_rootful_engine_an_attach_transport_and_an_engine_that_is_away(tmp_path: Path) -> None:
+    asyncio.run(docker_backend(tmp_path / "a", ROOTFUL_INFO).preflight())
+    asyncio.run(docker_backend(tmp_path / "b", ROOTLESS_INFO, transport="attach").preflight())
+    asyncio.run(docker_backend(tmp_path / "c", None).preflight())  # it may come back: start() checks then
+
+
+def test_a_remote_engine_from_docker_host_is_said_before_any_engine_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")
+    backend = docker_backend(tmp_path, None)  # info() would fail: never called
+    with pytest.raises(ConfigError, match=r"the Docker engine at tcp://127.0.0.1:9 is remote and cannot see .*; set sandbox.transport: attach"):
+        asyncio.run(backend.preflight())
+
+
+def spec(tmp_path: Path) -> SandboxSpec:
+    data = tmp_path / "data"
+    return SandboxSpec(user="alice@example.com", tools_dir=data / "tools", user_dir=data / "alice@example.com",
+                       user_tools_dir=data / "alice@example.com" / "tools", email_db=data / "email.db", root=data)
