@@ -56,10 +56,11 @@ class Token:
     line: int
 
 
-def _parse(text: str, name: str = "index.ts") -> tuple[Node, bytes]:
-    data = text.encode("utf-8", errors="surrogatepass")
+def _parse(text: str, name: str = "index.ts") -> Node:
+    """The syntax tree's root; never raises (broken code gives ERROR nodes, which the checks pass over)."""
+    data = text.encode("utf-8", errors="surrogatepass")  # lone surrogates: keep the byte offsets line-true
     language = _TSX if name.endswith((".tsx", ".jsx")) else _TS
-    return tree_sitter.Parser(language).parse(data).root_node, data
+    return tree_sitter.Parser(language).parse(data).root_node
 
 
 def _text(node: Node | None) -> str:
@@ -85,7 +86,7 @@ def _walk(node: Node, into_functions: bool = True) -> Iterator[Node]:
 
 def tokenize(source: str) -> list[Token]:
     """JS/TS tokens with their line numbers, from the syntax tree's leaves; comments are dropped. Never raises."""
-    root, _ = _parse(source)
+    root = _parse(source)
     tokens: list[Token] = []
     # A work list rather than recursion: hostile nesting must not exhaust Python's stack.
     work: list[Node | Token] = [root]
@@ -429,7 +430,7 @@ def _follow_execute(path: Path, root: Node, exports: _Exports, read_module: Modu
                 break
             current, text = module
             seen.add(current)
-            found = _exported_function(_parse(text, current.name)[0], name)
+            found = _exported_function(_parse(text, current.name), name)
             if isinstance(found, tuple):
                 spec, name = found
                 continue
@@ -474,7 +475,7 @@ def check_entry_source(text: str, path: Path, read_module: ModuleReader | None =
     With ``read_module`` (see ``read_sibling_module``), an execute re-exported from another module of
     the tool (``export { execute } from './impl'``, ``export * from './impl'``) is checked there.
     """
-    root, _ = _parse(text, path.name)
+    root = _parse(text, path.name)
     name = path.name
     findings: list[Problem] = []
 
@@ -666,7 +667,7 @@ def _in_try_block(node: Node, within: Node) -> bool:
 # --- returns ---------------------------------------------------------------------------------------
 
 
-def _return_checks(execute: Node, add) -> None:  # type: ignore[no-untyped-def]
+def _return_checks(execute: Node, add: Callable[..., None]) -> None:
     """An execute that never returns a value is an error; one with a path that ends without a return
     (TypeScript's noImplicitReturns) is a warning. An end that cannot be reached (every path returns
     or throws) is fine."""
