@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import shutil
 import signal
 import socketserver
 import subprocess
@@ -203,3 +205,30 @@ def test_an_engine_that_cannot_see_the_shim_directory_is_named_not_passed_on(mak
     assert "cannot see" in info.value.message and "set sandbox.transport: attach" in info.value.message, info.value.message
     assert f"{daemon.socket}.shims" in info.value.message
     assert engine.creates, "the daemon never tried to create a sandbox"
+
+
+# -- `make docker` where Docker already runs ----------------------------------------------------
+
+
+def test_with_the_real_engine_already_up_ensure_docker_still_installs_debootstrap(tmp_path: Path) -> None:
+    """The state of most newcomers' machines: the real `docker info` answers; debootstrap is
+    hidden (no /usr/sbin on PATH) and apt-get is a stub that records what it was asked."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    asked = tmp_path / "apt-get.log"
+    (stubs / "apt-get").write_text(f'#!/bin/sh\necho "$*" >> {asked}\n')
+    (stubs / "apt-get").chmod(0o755)
+    docker = shutil.which("docker")
+    assert docker is not None
+    path = f"{stubs}:{Path(docker).parent}:/usr/bin:/bin"
+    assert shutil.which("debootstrap", path=path) is None, "debootstrap is not hidden"
+    result = subprocess.run(["/bin/bash", "scripts/ensure-docker.sh"], cwd=Path(__file__).resolve().parents[2],
+                            env={"PATH": path}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert subprocess.run(["docker", "info"], capture_output=True).returncode == 0, "the engine was disturbed"
+    if os.geteuid() != 0:  # it cannot install: it says how, and the engine is still used
+        assert "sudo apt-get install debootstrap" in result.stderr and not asked.exists()
+        return
+    asked_for = asked.read_text() if asked.exists() else ""
+    installs = [line.split() for line in asked_for.splitlines() if line.startswith("install")]
+    assert installs and "debootstrap" in installs[-1] and "docker.io" not in installs[-1], asked_for or "no apt-get call"
