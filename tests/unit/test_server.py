@@ -69,7 +69,9 @@ def serving(tmp_path: Path, handler: Callable[..., Any] | None = None, **config:
     def wrap(test: Callable[[Harness], Any]) -> None:
         async def main() -> None:
             hello_tree(tmp_path / "data")
-            settings = {"data_path": tmp_path / "data", "socket": tmp_path / "s.sock", "seed_tools": None,
+            no_seed = tmp_path / "no-seed"  # a None override is dropped (load_config): the repo's seed would sync
+            no_seed.mkdir(exist_ok=True)
+            settings = {"data_path": tmp_path / "data", "socket": tmp_path / "s.sock", "seed_tools": no_seed,
                         "backend": "fake"} | config
             cfg = load_config(overrides=settings, environ={})
             backend = FakeBackend(handler) if handler else FakeBackend()
