@@ -17,7 +17,12 @@ set -euo pipefail
 # the official-image path. The default tag carries a hash of this list, so a
 # machine holding a base built from an older list builds the new one.
 PACKAGES="ca-certificates,sqlite3,python3,debianutils,ffmpeg,tesseract-ocr,tesseract-ocr-eng,poppler-utils"
-DEFAULT_TAG="sandboxd/node-base:bookworm-node20-$(printf '%s' "$PACKAGES" | sha256sum | cut -c1-8)"
+# Mesa's GPU drivers (and the LLVM they need, ~160 MB of the ~480 MB ffmpeg brings):
+# ffmpeg links libGL, which loads a driver only for an OpenGL context, which nothing
+# headless in a sandbox makes. Removed with --force-depends; apt in a derived image
+# then wants `apt-get -f install` first (it puts them back).
+DROP="libgl1-mesa-dri libllvm15 libz3-4"
+DEFAULT_TAG="sandboxd/node-base:bookworm-node20-$(printf '%s|%s' "$PACKAGES" "$DROP" | sha256sum | cut -c1-8)"
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -72,6 +77,11 @@ debootstrap --variant=minbase --arch="$ARCH" \
   "$SUITE" "$ROOTFS" "$MIRROR" > "$BUILD_DIR/debootstrap.log" 2>&1 \
   || { tail -n 30 "$BUILD_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
 
+log "removing $DROP (GPU drivers)"
+# shellcheck disable=SC2086 # a list of package names
+chroot "$ROOTFS" dpkg --purge --force-depends $DROP >> "$BUILD_DIR/debootstrap.log" 2>&1 \
+  || { tail -n 30 "$BUILD_DIR/debootstrap.log" >&2; die "dpkg --purge $DROP failed"; }
+
 log "installing $NODE_BIN ($NODE_VERSION) as /usr/local/bin/node"
 install -m 0755 "$NODE_BIN" "$ROOTFS/usr/local/bin/node"
 # The distribution's binary carries debug info (~12 MB); drop it when we can.
@@ -84,7 +94,12 @@ got=$(chroot "$ROOTFS" /usr/local/bin/node -p process.version)
 [ "$got" = "$NODE_VERSION" ] || die "node in the rootfs reports '$got', expected $NODE_VERSION"
 for cmd in sh which python3 sqlite3 ffmpeg ffprobe tesseract pdftotext pdftoppm; do
   chroot "$ROOTFS" /bin/sh -c "command -v $cmd" >/dev/null || die "$cmd is missing in the rootfs"
+  # Nothing the binaries link went with $DROP.
+  missing=$(chroot "$ROOTFS" /bin/sh -c "ldd \$(command -v $cmd)" 2>/dev/null | grep 'not found' || true)
+  [ -z "$missing" ] || die "$cmd's shared libraries are missing in the rootfs: $missing"
 done
+chroot "$ROOTFS" ffmpeg -hide_banner -loglevel error -f lavfi -i sine=d=0.1 -f null - \
+  || die "ffmpeg does not run in the rootfs"
 [ -s "$ROOTFS/etc/ssl/certs/ca-certificates.crt" ] || die "CA certificates are missing in the rootfs"
 chroot "$ROOTFS" tesseract --list-langs 2>&1 | grep -qx eng || die "tesseract's English data is missing in the rootfs"
 
@@ -106,6 +121,7 @@ tar --numeric-owner -C "$ROOTFS" -c . | docker import \
   --change "LABEL org.sandboxd.node-version=$NODE_VERSION" \
   --change "LABEL org.sandboxd.base=debootstrap-$SUITE-minbase" \
   --change "LABEL org.sandboxd.base-packages=$PACKAGES" \
+  --change "LABEL org.sandboxd.base-dropped=\"$DROP\"" \
   --change 'CMD ["/bin/sh"]' \
   - "$TAG" >/dev/null
 
