@@ -224,10 +224,10 @@ def test_an_output_flood_is_throttled_with_bounded_daemon_memory(hostile: Daemon
     before = daemon_rss_kb(hostile)
     log_from = hostile.log_path.stat().st_size
     # Sampled all along, not read after: a daemon that buffered the flood and freed it would pass that.
-    peak, flooding = [before], threading.Event()
+    peak, done = [before], threading.Event()
 
     def sample() -> None:
-        while not flooding.is_set():
+        while not done.is_set():
             peak.append(daemon_rss_kb(hostile))
             time.sleep(0.02)
 
@@ -236,7 +236,7 @@ def test_an_output_flood_is_throttled_with_bounded_daemon_memory(hostile: Daemon
     sampler.start()
     assert_bystanders_served(hostile)
     result = flood.join()
-    flooding.set()
+    done.set()
     sampler.join(5)
     assert result["status"] == "ok" and text_of(result) == f"printed 24 MiB to {stream}", result
     assert result["details"]["writeMs"] >= 3000, f"the tool was not slowed down: {result['details']}"
