@@ -304,3 +304,12 @@ def test_a_missing_binary_is_a_helpful_error(make_daemon: Any) -> None:
         result = client.request("tools/call", {"user": A, "name": "email_db", "arguments": {"action": "stats"},
                                                "env": {"PATH": "/usr/local/bin"}})
         refused(result, "python3 is required to read the email database")
+
+
+def test_ffmpeg_flooding_stdout_keeps_the_sandbox_within_its_memory(make_daemon: Any) -> None:
+    # 600 MB of raw audio to stdout in a 256 MiB sandbox: kept whole, it would kill the tool.
+    daemon = make_daemon("sandbox:\n  memory: 256m\n")
+    with daemon.client() as client:
+        result = call(client, "ffmpeg", {"args": json.dumps(
+            ["-f", "lavfi", "-i", "anullsrc=r=192000:cl=7.1", "-t", "200", "-f", "s16le", "-"])})
+        assert "Wrote pipe:." in ok(result) and "audio:600000kB" in text(result)
