@@ -133,7 +133,7 @@ def test_fork_bomb_is_stopped_by_the_pids_limit(hostile: Daemon, docker_api: Any
         assert result["status"] == "error", result
         assert text_of(result) == "fork failed: EAGAIN", result
         held, bombed = result["details"]["held"], result["details"]["sandbox"]
-        assert 0 < held < PIDS_LIMIT, result["details"]
+        assert held < PIDS_LIMIT, result["details"]  # 0 when the bomb's shells took every pid first
         assert_bystanders_served(hostile)
         # The bombed sandbox is retired (processes left), never reused: its container goes.
         wait_until(lambda: not any(c["Id"].startswith(bombed) for c in hostile.containers(docker_api)), 20,
