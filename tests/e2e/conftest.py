@@ -7,6 +7,7 @@ stops.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -138,6 +139,18 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:]
+
+    def events(self, name: str, **match: Any) -> list[dict[str, Any]]:
+        """The events named ``name`` in the daemon's whole log (not log()'s tail) whose fields equal ``match``."""
+        found = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # not a JSON line (a traceback, say)
+            if isinstance(record, dict) and record.get("event") == name and all(record.get(k) == v for k, v in match.items()):
+                found.append(record)
+        return found
 
 
 @pytest.fixture

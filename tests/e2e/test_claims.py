@@ -32,19 +32,6 @@ pytestmark = pytest.mark.docker
 A, B = "alice@example.com", "bob@example.com"
 
 
-def events(daemon: Daemon, name: str, **match: Any) -> list[dict[str, Any]]:
-    """The daemon's whole log (not the 8,000-character tail), as events named ``name`` matching ``match``."""
-    found = []
-    for line in daemon.log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == name and all(record.get(k) == v for k, v in match.items()):
-            found.append(record)
-    return found
-
-
 def start_announced(client: Client, request_id: Any, user: str, ms: int, **extra: Any) -> None:
     """Start an `announcer` call and return once the tool says it runs (its first progress update)."""
     client.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
@@ -55,7 +42,7 @@ def start_announced(client: Client, request_id: Any, user: str, ms: int, **extra
 
 
 def metric_values(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    host, port = events(daemon, "metrics_listening")[0]["address"].rsplit(":", 1)
+    host, port = daemon.events("metrics_listening")[0]["address"].rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
         connection.request("GET", "/metrics")
@@ -85,7 +72,7 @@ def test_a_new_call_during_a_real_sigterm_is_32002_and_counted(make_daemon: Any)
         answer = long.read_message()
         assert answer["id"] == "long" and answer["result"]["status"] == "ok", answer
     assert daemon.stop() == 0
-    assert [e["status"] for e in events(daemon, "call", tool="hello")] == ["shutting_down"]
+    assert [e["status"] for e in daemon.events("call", tool="hello")] == ["shutting_down"]
 
 
 def test_a_missing_image_is_32002_naming_it_and_counted(make_daemon: Any) -> None:
@@ -122,7 +109,7 @@ def test_duration_ms_includes_the_wait_for_a_sandbox(make_daemon: Any) -> None:
     assert queued["status"] == "ok"
     assert queued["durationMs"] >= 2000, queued  # hello itself takes milliseconds
     # Logged just after the answer is written: wait for it.
-    (record,) = wait_until(lambda: events(daemon, "call", tool="hello"), 10, "the queued call's log event")
+    (record,) = wait_until(lambda: daemon.events("call", tool="hello"), 10, "the queued call's log event")
     assert record["queue_ms"] >= 2000 and record["duration_ms"] >= record["queue_ms"], record
 
 
@@ -209,7 +196,7 @@ def test_a_half_close_cancels_the_calls_in_flight(make_daemon: Any) -> None:
     try:
         start_announced(leaving, 1, A, 120000, toolCallId=call_id)
         leaving._sock.shutdown(socket.SHUT_WR)  # our end stops writing; it could still read
-        cancelled = wait_until(lambda: events(daemon, "call", tool_call_id=call_id), 20,
+        cancelled = wait_until(lambda: daemon.events("call", tool_call_id=call_id), 20,
                                "the half-closed connection's call to end")
     finally:
         leaving.close()
@@ -230,7 +217,7 @@ def test_a_tool_call_id_is_generated_when_absent_and_passed_to_execute(daemon: D
     assert all(re.fullmatch(r"call_[0-9a-f]{16}", i) for i in ids) and ids[0] != ids[1], ids
 
     def logged() -> list[str] | None:  # each call's event is written just after its answer
-        found = [e["tool_call_id"] for e in events(daemon, "call", tool="announcer")]
+        found = [e["tool_call_id"] for e in daemon.events("call", tool="announcer")]
         return found if len(found) == 3 else None
 
     assert wait_until(logged, 10, "the three calls' log events") == ["mine-1", *ids]

@@ -54,19 +54,6 @@ def attacker(request: pytest.FixtureRequest) -> str:
     return f"mallory.{request.node.name.split('[')[0].removeprefix('test_')[:40].replace('_', '-')}@example.com"
 
 
-def sandbox_events(daemon: Daemon, event: str, sandbox: str) -> list[dict[str, Any]]:
-    """The daemon's log events named ``event`` about one sandbox (the log is the whole module's)."""
-    found = []
-    for line in daemon.log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event and record.get("sandbox") == sandbox:
-            found.append(record)
-    return found
-
-
 def daemon_rss_kb(daemon: Daemon) -> int:
     assert daemon.proc is not None
     status = Path(f"/proc/{daemon.proc.pid}/status").read_text()
@@ -138,7 +125,7 @@ def test_fork_bomb_is_stopped_by_the_pids_limit(hostile: Daemon, docker_api: Any
         # The bombed sandbox is retired (processes left), never reused: its container goes.
         wait_until(lambda: not any(c["Id"].startswith(bombed) for c in hostile.containers(docker_api)), 20,
                    f"the bombed sandbox {bombed} to be removed")
-        assert sandbox_events(hostile, "sandbox_retired", bombed), "the bombed sandbox was not retired"
+        assert hostile.events("sandbox_retired", sandbox=bombed), "the bombed sandbox was not retired"
         # The attacker's next sandbox can start processes again.
         probe = call(client, attacker, "escalator")
     assert probe["status"] == "ok"
@@ -172,7 +159,7 @@ def test_processes_left_behind_by_a_returning_call_retire_the_sandbox(hostile: D
     assert result["status"] == "ok", result
     # The shim reported the leftovers; the daemon did not reuse the sandbox but destroyed it.
     wait_until(lambda: not host_processes(marker), 15, f"processes marked {marker} to be gone")
-    assert sandbox_events(hostile, "sandbox_retired", result["details"]["sandbox"])
+    assert hostile.events("sandbox_retired", sandbox=result["details"]["sandbox"])
     assert_pool_recovers(hostile, docker_api, attacker)
 
 

@@ -31,18 +31,6 @@ pytestmark = pytest.mark.docker
 A, B = "alice@example.com", "bob@example.com"
 
 
-def events(daemon: Daemon, name: str) -> list[dict[str, Any]]:
-    found = []
-    for line in daemon.log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == name:
-            found.append(record)
-    return found
-
-
 def warm(daemon: Daemon, docker_api: Any, user: str) -> set[str]:
     """A call, so the daemon holds sandboxes; their ids."""
     with daemon.client() as client:
@@ -63,7 +51,7 @@ def test_a_restart_with_another_socket_path_leaves_no_container_of_the_old_one(m
         daemon.socket = Path(tempfile.mkdtemp(prefix="sbd-")) / "moved.sock"  # a config edit, a move to the service
         daemon.start()
         wait_until(lambda: not existing(docker_api, old), 20, "the old socket's sandboxes to be removed")
-        removed = events(daemon, "orphans_removed")
+        removed = daemon.events("orphans_removed")
         assert removed and removed[-1]["count"] >= len(old) and "data path" in removed[-1]["reason"], removed
         assert removed[-1]["data_path"] == str(daemon.data)
         with daemon.client() as client:
