@@ -239,14 +239,27 @@ class Connection(asyncio.Protocol):
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    async def _start_after_scan(self, request_id: Any, params: dict[str, Any], arrived: float) -> None:
-        await self.server.catalog.refresh(params.get("user"), since=arrived)
-        if not self.closed:
-            self.start_call(request_id, params, arrived)  # the lookup now trusts the scan just made
+    async def _start_after_scan(self, request_id: Any, params: dict[str, Any], arrived: float, ctx: CallContext) -> None:
+        try:
+            await self.server.catalog.refresh(params.get("user"), since=arrived)
+            if not self.closed:
+                self.start_call(request_id, params, arrived, ctx)  # the lookup now trusts the scan just made
+                return
+        except BaseException:
+            self._forget(ctx)
+            raise
+        self._forget(ctx)
 
-    def start_call(self, request_id: Any, params: Any, arrived: float) -> None:
+    def _forget(self, ctx: CallContext) -> None:
+        """A call that waited for a scan and never started: it is no longer in flight."""
+        if self.calls.get(ctx.request_id) is ctx:
+            del self.calls[ctx.request_id]
+        self.server.calls_in_flight.discard(ctx)
+
+    def start_call(self, request_id: Any, params: Any, arrived: float, ctx: CallContext | None = None) -> None:
+        """Start a tools/call; ``ctx`` is the call's own context when it first waited for a tools scan."""
         server = self.server
-        if request_id in self.calls:
+        if ctx is None and request_id in self.calls:
             raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
         if server.stopping:
             refusal = server.shutting_down_error()
@@ -256,10 +269,16 @@ class Connection(asyncio.Protocol):
             call = parse_call_params(params, server.catalog, server.config, since=arrived)
         except ScanNeeded:
             # The tools changed since the last scan (the warm path is a few stat calls, here).
-            return self._answer_later(request_id, "tools/call", self._start_after_scan(request_id, params, arrived))
+            # Registered now, so that a cancel, a disconnect or a reused id meanwhile finds it.
+            if ctx is None:
+                ctx = CallContext(request_id)
+                self.calls[request_id] = ctx
+                server.calls_in_flight.add(ctx)
+            return self._answer_later(request_id, "tools/call", self._start_after_scan(request_id, params, arrived, ctx))
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
         token = meta.get("progressToken", request_id)
-        ctx = CallContext(request_id)
+        if ctx is None:
+            ctx = CallContext(request_id)
         counter = 0
 
         def on_progress(content: list[Any]) -> None:

@@ -508,3 +508,36 @@ def test_warm_calls_scan_nothing(tmp_path: Path, monkeypatch: Any) -> None:
                                        request_id=request_id)
             assert reply["result"]["status"] == "ok"
         assert scans == []
+
+
+def test_a_call_waiting_for_a_tools_scan_can_be_cancelled_and_keeps_its_id(tmp_path: Path, monkeypatch: Any) -> None:
+    # A call whose tools changed waits for a rescan in a worker; meanwhile it is already in
+    # flight: a cancel reaches it (it answers cancelled, the tool never runs), its id is taken.
+    mallory = "mallory@example.com"
+    tool = tmp_path / "data" / mallory / "tools" / "slow"
+    tool.mkdir(parents=True)
+    (tool / "TOOL.md").write_text("---\nname: slow\ndescription: Slow.\nversion: 1\ninputs:\n  name:\n    type: string\n"
+                                  "    description: Who.\n---\n# Slow\n")
+    (tool / "index.ts").write_text("export async function execute() {}\n")
+    release = _block_scans_of(monkeypatch, mallory)
+
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        try:
+            conn.send({"jsonrpc": "2.0", "id": "c", "method": "tools/call",
+                       "params": {"user": mallory, "name": "slow", "arguments": {"name": "x"}}})
+            conn.send({"jsonrpc": "2.0", "id": "c", "method": "tools/call",
+                       "params": {"user": mallory, "name": "slow", "arguments": {"name": "y"}}})
+            reused = await conn.read()
+            assert reused["id"] == "c" and reused["error"]["code"] == -32602 and "already used" in reused["error"]["message"]
+            assert (await conn.request("sandbox/status", request_id="s"))["result"]["callsInFlight"] == 1
+            conn.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "c", "reason": "stop"}})
+            await conn.request("ping", request_id="p")  # the cancel was read before the scan ends
+        finally:
+            release.set()
+        answer = await conn.read()
+        assert answer["id"] == "c" and answer["result"]["status"] == "cancelled", answer
+        assert "cancelled before it started (stop)" in answer["result"]["content"][0]["text"]
+        assert h.backend.starts == 0  # the tool never ran
+        assert (await conn.request("sandbox/status", request_id="t"))["result"]["callsInFlight"] == 0
