@@ -261,7 +261,7 @@ class Connection(asyncio.Protocol):
         server = self.server
         if ctx is None and request_id in self.calls:
             raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
-        if server.stopping:
+        if server.stopping and ctx is None:  # one already in flight (it waited for a scan) is shutdown's to end
             refusal = server.shutting_down_error()
             server.runner.count_refused(params, refusal)
             raise refusal
