@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
+
+
+# The largest integer a double holds: a larger one is Infinity to a JavaScript client, so no
+# client could match an id or a progress token of that size.
+MAX_DOUBLE_INT = int(sys.float_info.max)
 
 
 def _reject_constant(name: str) -> Any:

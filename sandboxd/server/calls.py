@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sandboxd import strictjson
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values
@@ -31,7 +31,6 @@ log = get_logger("sandboxd.calls")
 # Set by the daemon itself (TOOLS.md); a call may not override them.
 RESERVED_ENV = frozenset({"HOME", "OFFICER_USER_HOME", "OFFICER_USER_ROOT", "PI_TOOLS_DIRS", "OFFICER_EMAIL_DB"})
 
-_MAX_DOUBLE = int(sys.float_info.max)  # a larger integer is Infinity to a JavaScript client
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
@@ -111,7 +110,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
         raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
     token = meta.get("progressToken") if meta is not None else None
     if token is not None and (isinstance(token, bool) or not isinstance(token, (str, int, float))
-                              or isinstance(token, int) and abs(token) > _MAX_DOUBLE):
+                              or isinstance(token, int) and abs(token) > strictjson.MAX_DOUBLE_INT):
         raise InvalidParams("'_meta.progressToken' must be a string or a number (that fits a double).")
     tool = catalog.lookup(name, user, since=since)
     if tool is None:

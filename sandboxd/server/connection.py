@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Coroutine
 
@@ -28,7 +27,6 @@ log = get_logger("sandboxd.server")
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS, INTERNAL_ERROR = -32700, -32600, -32601, -32602, -32603
 # Stop reading from a client whose responses pile up unread.
 _WRITE_HIGH_WATER = 8 << 20
-_MAX_DOUBLE = int(sys.float_info.max)
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -170,7 +168,7 @@ class Connection(asyncio.Protocol):
         request_id = message.get("id")
         if not isinstance(request_id, (str, int, float, type(None))) or isinstance(request_id, bool):
             return self.send_error(None, INVALID_REQUEST, "'id' must be a string or a number.")
-        if isinstance(request_id, int) and abs(request_id) > _MAX_DOUBLE:
+        if isinstance(request_id, int) and abs(request_id) > strictjson.MAX_DOUBLE_INT:
             # JavaScript reads it as Infinity: no client could match the answer to its request.
             return self.send_error(None, INVALID_REQUEST, "'id' is a number too large for a double; use a smaller number or a string.")
         method = message.get("method")
