@@ -80,10 +80,6 @@ class BenchDaemon:
                 conn = LineSocket(str(self.socket), timeout=5)
                 conn.request("ping")
                 conn.close()
-                # The seed sync just wrote the tools: for 2 s discovery cannot trust their
-                # timestamps and rescans at every call (tools/discovery.py, the racy window),
-                # which is not the warm path these figures are about.
-                time.sleep(2.5)
                 return
             except OSError:
                 time.sleep(0.05)

@@ -183,11 +183,15 @@ class _Parsed:
     result: tuple[Manifest | None, list[Problem]]
 
 
-# File timestamps come from a coarse clock (a kernel tick; whole seconds on some
-# filesystems), so a change made within this long after a scan may leave every
-# timestamp as the scan saw it. A root holding anything changed this recently is
-# scanned again at every listing until the window has passed ("racy git").
-_RACY_WINDOW_NS = 2_000_000_000
+# File timestamps come from a coarse clock (the kernel's tick; whole seconds on some
+# filesystems), so a change made within one step of that clock after a scan may leave
+# every timestamp as the scan saw it. A root holding anything changed within the window
+# before its scan is scanned again at every listing until the window has passed ("racy
+# git"). The window is per file: a ctime with a sub-second part comes from a filesystem
+# that keeps fractions, whose clock steps by a tick (≤ 10 ms); only whole-second
+# timestamps need the long window. (ctime is set by the kernel, so no tool can forge it.)
+_RACY_WINDOW_NS = 2_000_000_000  # whole-second timestamps (FAT's are 2 s)
+_RACY_WINDOW_FINE_NS = 50_000_000  # sub-second timestamps: five ticks at HZ=100
 _StatKey = tuple[int, int, int, int, int, int] | None
 
 
@@ -235,9 +239,15 @@ class _Fingerprint:
         return cls(_stat_key(root), {name: _entry_keys(root, name) for name in names})
 
     def racy(self, scanned_at_ns: int) -> bool:
-        limit = scanned_at_ns - _RACY_WINDOW_NS
         keys = [self.root, *(key for keys in self.entries.values() for key in keys)]
-        return any(key is not None and max(key[3], key[4]) >= limit for key in keys)
+        return any(key is not None and _racy(key, scanned_at_ns) for key in keys)
+
+
+def _racy(key: tuple[int, int, int, int, int, int], scanned_at_ns: int) -> bool:
+    """Whether a change just after the scan could have left this stat as the scan saw it."""
+    mtime_ns, ctime_ns = key[3], key[4]
+    window = _RACY_WINDOW_FINE_NS if ctime_ns % 1_000_000_000 else _RACY_WINDOW_NS
+    return max(mtime_ns, ctime_ns) >= scanned_at_ns - window
 
 
 @dataclass(eq=False)

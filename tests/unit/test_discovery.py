@@ -305,10 +305,15 @@ def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
 # --- the per-root snapshot (a stat fingerprint instead of a full scan) ------------------------
 
 
+def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 0)
+
+
 @pytest.fixture
 def scan_count(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Tool directories inspected by a full scan; trusts snapshots at once (no racy window)."""
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    no_racy_window(monkeypatch)
     inspected: list[Path] = []
     real = discovery.inspect_tool_dir
 
@@ -382,6 +387,7 @@ def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path,
     # Timestamps from a coarse clock cannot tell two changes within one tick apart: until
     # the window has passed since the last change, nothing of that root is trusted.
     monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 3600 * 10**9)
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 3600 * 10**9)
     write_tool(global_root(data), "a")
     catalog = ToolCatalog(data)
     catalog.list()
@@ -391,6 +397,57 @@ def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path,
     catalog.list()
     catalog.list()
     assert inspected == [global_root(data) / "a"] * 2
+
+
+def key_changed_at(ns: int) -> tuple[int, int, int, int, int, int]:
+    return (1, 2, 3, ns, ns, 0o100644)  # dev, ino, size, mtime, ctime, mode
+
+
+def test_the_racy_window_is_short_for_sub_second_timestamps_only() -> None:
+    # Whole-second timestamps (FAT, old ext3, some network filesystems) cannot tell two changes
+    # in one second apart; a filesystem that keeps fractions steps by a kernel tick.
+    scan_ns = 1_700_000_010 * 10**9
+    whole_second = 1_700_000_009 * 10**9  # 1 s before the scan, no fraction
+    assert discovery._racy(key_changed_at(whole_second), scan_ns)
+    assert not discovery._racy(key_changed_at(whole_second - 3 * 10**9), scan_ns)
+    assert not discovery._racy(key_changed_at(whole_second + 1), scan_ns)  # a fraction, 1 s old
+    assert discovery._racy(key_changed_at(scan_ns - 10_000_000), scan_ns)  # a fraction, one tick old
+    assert discovery._racy(key_changed_at(scan_ns + 500_000_123), scan_ns)  # from the future: never trusted
+    # The ctime decides (the kernel sets it; a tool can set its mtime to a whole second).
+    assert discovery._racy((1, 2, 3, whole_second - 5 * 10**9, whole_second, 0o100644), scan_ns)
+
+
+def test_a_root_written_just_now_is_trusted_once_the_short_window_has_passed(
+        data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import time
+
+    write_tool(user_root(data), "a")
+    ctime_ns = (user_root(data) / "a" / "TOOL.md").stat().st_ctime_ns
+    assert ctime_ns % 10**9, "this test needs a filesystem with sub-second timestamps (tmpfs, ext4, overlayfs)"
+    catalog = ToolCatalog(data)
+    scans: list[Path] = []
+    real = discovery.ToolCatalog._scan
+    monkeypatch.setattr(discovery.ToolCatalog, "_scan", lambda self, root, *a, **k: (scans.append(root),
+                                                                                     real(self, root, *a, **k))[1])
+
+    async def main() -> None:
+        await catalog.refresh(USER, since=time.monotonic())
+        assert catalog._snapshots[user_root(data)].racy  # just written: not trusted yet
+        # Until the files are 0.3 s old by the clock the window is measured on: many kernel
+        # ticks, and well inside a whole-second window.
+        while time.time_ns() < ctime_ns + 300_000_000:
+            await asyncio.sleep(0.01)
+        with pytest.raises(discovery.ScanNeeded):
+            catalog.lookup("a", USER, since=time.monotonic())
+        await catalog.refresh(USER, since=time.monotonic())
+        scans.clear()
+        for _ in range(100):  # with the 2 s window every one of these raised ScanNeeded
+            assert catalog.lookup("a", USER, since=time.monotonic()).name == "a"
+        assert scans == []
+
+    asyncio.run(main())
+    catalog.close()
 
 
 def test_get_sees_its_own_tool_change_at_once(data: Path, scan_count: list[Path]) -> None:
@@ -490,7 +547,7 @@ def test_manifests_past_the_root_byte_budget_are_skipped(data: Path, monkeypatch
 
 
 def test_a_scan_past_its_time_limit_skips_the_rest_and_tries_again(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    no_racy_window(monkeypatch)
     write_tool(user_root(data), "a")
     catalog = ToolCatalog(data)
     monkeypatch.setattr(discovery, "ROOT_SCAN_TIME_LIMIT_S", -1.0)

@@ -489,6 +489,7 @@ def test_warm_calls_scan_nothing(tmp_path: Path, monkeypatch: Any) -> None:
     from sandboxd.tools import discovery
 
     monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 0)
     scans: list[Path] = []
     real = discovery.ToolCatalog._scan
 
