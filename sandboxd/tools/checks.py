@@ -33,7 +33,8 @@ from sandboxd.tools.manifest import MANIFEST_FILE, Problem, read_version
 MAX_SOURCE_BYTES = 1 << 20  # the shim loads bigger files, but nobody hand-writes them
 
 # One source for the fix texts: the shim's load-time errors read the same file (it ships in the image).
-FIXES_FILE = Path(__file__).resolve().parents[2] / "images" / "node" / "shim" / "src" / "fixes.json"
+# fixes.json here is a link to images/node/shim/src/fixes.json, so an installed (not editable) sandboxd has a copy.
+FIXES_FILE = Path(__file__).resolve().parent / "fixes.json"
 _FIXES = json.loads(FIXES_FILE.read_text(encoding="utf-8"))
 EXECUTE_SIGNATURE = f"'{_FIXES['executeSignature']}'"
 EXPORT_FIX = _FIXES["exportFix"]
