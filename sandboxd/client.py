@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import socket
 from pathlib import Path
 from typing import Any, Callable
+
+from sandboxd.lines import LineBuffer
 
 
 class RpcError(Exception):
@@ -25,7 +28,8 @@ class Client:
     def __init__(self, path: Path | str, timeout: float | None = None) -> None:
         self.path = str(path)
         self._ids = itertools.count(1)
-        self._buffer = b""
+        self._lines = LineBuffer()  # no limit: the daemon is not the party to defend against
+        self._pending: collections.deque[bytes] = collections.deque()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -54,16 +58,15 @@ class Client:
         self._sock.sendall(json.dumps(message).encode() + b"\n")
 
     def read_message(self) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
+        while not self._pending:
             try:
                 chunk = self._sock.recv(1 << 16)
             except ConnectionResetError:
                 chunk = b""  # closed with our request unread (e.g. a refused peer): same as a close
             if not chunk:
                 raise DaemonUnreachable("sandboxd closed the connection.")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+            self._pending.extend(line for line in self._lines.feed(chunk) if isinstance(line, bytes))
+        return json.loads(self._pending.popleft())
 
     def request(
         self,

@@ -29,6 +29,12 @@ class InvalidParams(SandboxdError):
     code = -32602
 
 
+class MethodNotFound(SandboxdError):
+    """A request for a method the daemon does not have."""
+
+    code = -32601
+
+
 class Overloaded(SandboxdError):
     """No sandbox could be had within the queue deadline."""
 

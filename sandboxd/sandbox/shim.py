@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from sandboxd import strictjson
 from sandboxd.errors import SandboxFailed
+from sandboxd.lines import LineBuffer
 from sandboxd.logging import current_secrets, get_logger, masking
 from sandboxd.sandbox.backend import CallRequest, OutputLimits, ProgressCallback
 
@@ -36,8 +37,7 @@ class ShimChannel:
                  on_broken: Callable[[SandboxFailed], None] | None = None) -> None:
         self._write = write
         self._on_broken = on_broken
-        self._max_line = max_line_bytes
-        self._buffer = bytearray()
+        self._lines = LineBuffer(max_line_bytes)
         self._ids = itertools.count(1)
         self._call_id: int | None = None
         self._call_future: asyncio.Future[dict[str, Any]] | None = None
@@ -81,27 +81,18 @@ class ShimChannel:
     # -- shim → daemon -----------------------------------------------------
 
     def feed(self, data: bytes) -> None:
-        """Bytes from the shim's protocol stream; split on \\n only."""
+        """Bytes from the shim's protocol stream."""
         if self.closed is not None:
             return
-        self._buffer += data
-        start = 0
-        while True:
-            end = self._buffer.find(b"\n", start)
-            if end < 0:
-                break
-            self._handle_line(bytes(self._buffer[start:end]))
-            start = end + 1
+        for line in self._lines.feed(data):
+            if isinstance(line, bytes):
+                self._handle_line(line)
+            else:
+                self.fail(f"the tool's output line exceeded {self._lines.max_line} bytes; its sandbox was stopped.")
             if self.closed is not None:
                 return
-        del self._buffer[:start]
-        if len(self._buffer) > self._max_line:
-            self.fail(f"the tool's output line exceeded {self._max_line} bytes; its sandbox was stopped.")
 
     def _handle_line(self, line: bytes) -> None:
-        line = line.rstrip(b"\r")
-        if not line:
-            return
         try:
             message = strictjson.loads(line)
         except (ValueError, RecursionError):

@@ -1,4 +1,10 @@
-"""One tools/call from checked params to result: acquire → call → release.
+"""One tools/call from request to answer.
+
+``ConnectionCalls`` is one connection's calls in flight by request id (the tools/call
+method, cancels, a disconnect, back-pressure); ``Calls`` is every call in flight on
+the daemon and the lifecycle they share (refused while stopping → params checked,
+after a tools scan if the tools changed → run → answered); ``CallRunner`` runs one
+call from checked params to result: acquire → call → release.
 
 Each phase has one deadline: the queue (pool.acquire_timeout_ms), the call
 (timeoutMs, capped), and the cancel grace. A call's future is settled by the
@@ -14,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from sandboxd import strictjson
 from sandboxd.config import Config
@@ -22,7 +28,8 @@ from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, Sandb
 from sandboxd.logging import get_logger, secret_values
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits
 from sandboxd.sandbox.pool import Pool
-from sandboxd.tools.discovery import Tool, ToolCatalog
+from sandboxd.server.rpc import is_request_id, notification
+from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
 from sandboxd.tools.schema import sensitive_names, validate_arguments
 from sandboxd.users import check_user
 
@@ -165,6 +172,7 @@ class CallContext:
     queue_wait_s: float | None = None  # set once a sandbox is acquired
     grace: float = 2.0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    client_gone: bool = False  # its connection closed: nobody reads its answer
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is not None or self.phase == "done":
@@ -311,3 +319,138 @@ class CallRunner:
             # Released just after the answer is written (connection.py sends it when run returns):
             # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
             asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
+
+
+class Calls:
+    """Every tools/call in flight on the daemon, and the lifecycle each goes through."""
+
+    def __init__(self, runner: CallRunner, catalog: ToolCatalog, *, stopping: Callable[[], bool]) -> None:
+        self.runner = runner
+        self.catalog = catalog
+        self._stopping = stopping
+        self.in_flight: set[CallContext] = set()
+
+    def admit(self, params: Any) -> None:
+        """Refuse a new call once shutdown has begun (counted and logged like any call)."""
+        if self._stopping():
+            refusal = shutting_down()
+            self.runner.count_refused(params, refusal)
+            raise refusal
+
+    async def run(self, ctx: CallContext, params: Any, arrived: float, on_progress: Callable[[list[Any]], None],
+                  call: CallParams | None) -> dict[str, Any] | None:
+        """Check (``call`` is None: after a tools scan), run and answer one call; None: its client is gone."""
+        ctx.task = asyncio.current_task()
+        while call is None:
+            await self.catalog.refresh(params.get("user"), since=arrived)
+            if ctx.client_gone:
+                return None
+            try:
+                call = self.check(params, arrived)  # the lookup now trusts the scan just made
+            except ScanNeeded:
+                continue
+        started = time.monotonic()
+        try:
+            return await self.runner.run(call, ctx, on_progress)
+        except asyncio.CancelledError:
+            if ctx.cancel_reason is None:
+                raise
+            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+
+    def check(self, params: Any, arrived: float) -> CallParams:
+        return parse_call_params(params, self.catalog, self.runner.config, since=arrived)
+
+
+def shutting_down() -> ShuttingDown:
+    return ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
+
+
+class ConnectionCalls:
+    """One connection's calls in flight, by request id: what its cancels, its disconnect and its back-pressure act on."""
+
+    def __init__(self, calls: Calls, send: Callable[[dict[str, Any]], None]) -> None:
+        self._calls = calls
+        self._send = send
+        self._by_id: dict[Any, CallContext] = {}
+        self._writing_paused = False  # the client reads no more
+        self._paused_sandboxes: set[Any] = set()  # sandboxes of our calls we stopped reading
+
+    def get(self, request_id: Any) -> CallContext | None:
+        return self._by_id.get(request_id)
+
+    def start(self, request_id: Any, params: Any) -> Awaitable[dict[str, Any] | None]:
+        """The tools/call method: checks what it can now, returns the rest of the call to await."""
+        arrived = time.monotonic()
+        if request_id in self._by_id:
+            raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
+        self._calls.admit(params)
+        try:
+            call: CallParams | None = self._calls.check(params, arrived)
+        except ScanNeeded:
+            # The tools changed since the last scan (the warm path is a few stat calls, here);
+            # the call is in flight from now, so that a cancel, a disconnect or a reused id finds it.
+            call = None
+        assert isinstance(params, dict)  # check() refused anything else
+        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        ctx = CallContext(request_id)
+        self._by_id[request_id] = ctx
+        self._calls.in_flight.add(ctx)
+        return self._run(ctx, params, arrived, meta.get("progressToken", request_id), call)
+
+    async def _run(self, ctx: CallContext, params: dict[str, Any], arrived: float, token: Any,
+                   call: CallParams | None) -> dict[str, Any] | None:
+        counter = 0
+
+        def on_progress(content: list[Any]) -> None:
+            nonlocal counter
+            counter += 1
+            if self._writing_paused:
+                self._pause_sandbox(ctx)
+            self._send(notification("notifications/progress", {"progressToken": token, "progress": counter, "content": content}))
+
+        try:
+            return await self._calls.run(ctx, params, arrived, on_progress, call)
+        finally:
+            # Before its sandbox goes back to the pool (just after the answer): another caller must find it reading.
+            if ctx.sandbox is not None and ctx.sandbox in self._paused_sandboxes:
+                self._paused_sandboxes.discard(ctx.sandbox)
+                ctx.sandbox.resume_reading()
+            if self._by_id.get(ctx.request_id) is ctx:
+                del self._by_id[ctx.request_id]
+            self._calls.in_flight.discard(ctx)
+
+    def cancel(self, params: Any) -> None:
+        """notifications/cancelled: cancel the call of ``params.requestId`` if it is ours and in flight."""
+        if not isinstance(params, dict):
+            return
+        request_id = params.get("requestId")
+        # Only ids a request can have; a list or an object would not even hash.
+        ctx = self._by_id.get(request_id) if is_request_id(request_id) else None
+        if ctx is not None:
+            reason = params.get("reason")
+            ctx.cancel(reason if isinstance(reason, str) and reason else "cancelled by the client")
+
+    def client_gone(self) -> None:
+        """A client that goes away cancels every call it has in flight."""
+        for ctx in list(self._by_id.values()):
+            ctx.client_gone = True
+            ctx.cancel("client disconnected")
+
+    def pause(self) -> None:
+        """The client reads no more: stop reading the sandboxes of its running calls (one that starts
+        meanwhile is paused at its first progress), so that their output waits in the sandbox."""
+        self._writing_paused = True
+        for ctx in self._by_id.values():
+            self._pause_sandbox(ctx)
+
+    def resume(self) -> None:
+        self._writing_paused = False
+        for sandbox in self._paused_sandboxes:
+            sandbox.resume_reading()
+        self._paused_sandboxes.clear()
+
+    def _pause_sandbox(self, ctx: CallContext) -> None:
+        sandbox = ctx.sandbox
+        if ctx.phase == "running" and sandbox is not None and sandbox not in self._paused_sandboxes:
+            sandbox.pause_reading()
+            self._paused_sandboxes.add(sandbox)

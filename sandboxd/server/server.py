@@ -13,17 +13,18 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
 from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, flatten, needs_restart
-from sandboxd.errors import ConfigError, InvalidParams, ShuttingDown
+from sandboxd.errors import ConfigError, InvalidParams
 from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
-from sandboxd.server.calls import CallContext, CallRunner
+from sandboxd.server.calls import CallContext, CallRunner, Calls, ConnectionCalls
 from sandboxd.server.connection import Connection
+from sandboxd.server.rpc import Method
 from sandboxd.service import systemd
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.peercred import PeerPolicy
@@ -73,8 +74,9 @@ class Server:
         self.pool = Pool(self.backend, config.pool, self.spec_for)
         self.runner = CallRunner(config, self.pool, self.backend)
         self.connections: set[Connection] = set()
-        self.calls_in_flight: set[CallContext] = set()
         self.stopping = False
+        self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
+        self.calls_in_flight: set[CallContext] = self.calls.in_flight
         self.started_at = time.monotonic()
         self._listener: asyncio.AbstractServer | None = None
         self._maintenance: asyncio.Task[None] | None = None
@@ -248,6 +250,40 @@ class Server:
         return (f"{state}: {len(self.calls_in_flight)} calls in flight, {totals['waiting']} queued; sandboxes "
                 f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, {totals['stopping']} stopping")
 
+    # -- the edge: what a connection may use (connection.Edge) --------------------
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.config.max_message_bytes
+
+    def refusal(self, sock: socket.socket) -> str | None:
+        return self.peer_policy.refusal(sock)
+
+    def opened(self, connection: Connection) -> None:
+        self.connections.add(connection)
+
+    def closed(self, connection: Connection) -> None:
+        self.connections.discard(connection)
+
+    def methods(self, calls: ConnectionCalls) -> Mapping[str, Method]:
+        return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools, "tools/call": calls.start,
+                "sandbox/status": lambda _id, _params: self.status()}
+
+    def _list_tools(self, _id: Any, params: Any) -> Awaitable[dict[str, Any]]:
+        if params is not None and not isinstance(params, dict):
+            raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
+        user = params.get("user") if params is not None else None
+        user = None if user is None else check_user(user)
+        if user is not None and not self.stopping:
+            # A session lists its tools when it starts: its first call, seconds later, finds a warm sandbox.
+            self.pool.warm(user)
+
+        async def listed() -> dict[str, Any]:
+            tools = await self.catalog.list_async(user)  # any scan runs in a worker thread
+            return {"tools": [tool.to_protocol() for tool in tools]}
+
+        return listed()
+
     # -- reload ------------------------------------------------------------------
 
     def reload(self, load: Callable[[], Config]) -> bool:
@@ -293,9 +329,6 @@ class Server:
         if ignored:
             log.warning("config_needs_restart", keys=ignored, hint="restart sandboxd (systemctl restart sandboxd) to apply these")
         return applied, ignored
-
-    def shutting_down_error(self) -> ShuttingDown:
-        return ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
 
     # -- shutdown --------------------------------------------------------------
 

@@ -353,12 +353,12 @@ def test_a_client_that_stops_reading_pauses_its_calls_sandboxes(tmp_path: Path) 
         (connection,) = h.server.connections
         conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                    "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
-        while 1 not in connection.calls:
+        while connection.calls.get(1) is None:
             await asyncio.sleep(0.001)
         connection.pause_writing()  # as asyncio does past the write buffer's high-water mark
         gates[0].set()  # the call gets its sandbox while paused: paused at its first progress
         assert (await conn.read())["method"] == "notifications/progress"
-        sandbox = connection.calls[1].sandbox
+        sandbox = connection.calls.get(1).sandbox
         assert sandbox.reading_paused
         connection.resume_writing()
         assert not sandbox.reading_paused

@@ -1,0 +1,57 @@
+"""Newline-framed messages from a byte stream: the one splitter the daemon, the shim channel and the client share.
+
+Split on \\n only (U+2028/U+2029 inside JSON strings are not line ends), one trailing
+\\r ignored, empty lines dropped. A line longer than ``max_line`` is never held whole:
+its bytes are dropped up to its \\n and it comes out once as ``TOO_LONG``, in order with
+the lines around it; what that means (answer and go on, or break) is the reader's policy.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Iterator
+
+
+class _TooLong:
+    def __repr__(self) -> str:
+        return "TOO_LONG"
+
+
+TOO_LONG: Final = _TooLong()
+
+
+class LineBuffer:
+    def __init__(self, max_line: int | None = None) -> None:
+        self.max_line = max_line  # None: no limit (a reader that trusts its peer, like the client)
+        self._buffer = bytearray()
+        self._skipping = False  # inside an over-long line, dropping bytes up to its \n
+
+    def feed(self, data: bytes) -> Iterator[bytes | _TooLong]:
+        """The complete lines ``data`` ends; what a reader that breaks out early leaves comes with the next feed."""
+        buffer, limit = self._buffer, self.max_line
+        buffer += data
+        start = 0
+        try:
+            while True:
+                end = buffer.find(b"\n", start)
+                if end < 0:
+                    break
+                line_start, start = start, end + 1
+                if self._skipping:
+                    self._skipping = False
+                    continue
+                if limit is not None and end - line_start > limit:
+                    yield TOO_LONG
+                    continue
+                if end > line_start and buffer[end - 1] == 0x0D:  # \r
+                    end -= 1
+                if end > line_start:
+                    yield bytes(buffer[line_start:end])
+            if limit is not None and len(buffer) - start > limit and not self._skipping:
+                self._skipping = True
+                start = len(buffer)
+                yield TOO_LONG
+        finally:
+            if self._skipping:
+                buffer.clear()
+            else:
+                del buffer[:start]

@@ -1,0 +1,149 @@
+"""JSON-RPC 2.0 for one connection: a message in, a method from the table, its answer out (the MCP SDK's shape).
+
+Methods never see the envelope: a method gets (request id, params) and returns its
+result, or an awaitable of it (answered from a task when it completes; None means
+no answer), or raises. The dispatcher checks every message (PROTOCOL.md), puts the
+id on the answer, and maps errors to the wire in one place (``error_body``): a
+SandboxdError carries its code, anything else is -32603 with the details in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, Callable, Mapping, Union
+
+from sandboxd import strictjson
+from sandboxd.errors import MethodNotFound, SandboxdError
+from sandboxd.logging import get_logger
+
+log = get_logger("sandboxd.server")
+
+PARSE_ERROR, INVALID_REQUEST, INTERNAL_ERROR = -32700, -32600, -32603
+
+Result = dict[str, Any]
+Answer = Union[Result, Awaitable[Union[Result, None]]]
+Method = Callable[[Any, Any], Answer]  # (request id, params)
+Notification = Callable[[Any], None]  # (params)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return data.encode() + b"\n"
+    except UnicodeEncodeError:  # lone surrogates from a tool's output: escape them
+        return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "method": method, "params": params}
+
+
+def error_body(exc: BaseException, method: str | None = None) -> dict[str, Any]:
+    """The one mapping of an error to the wire."""
+    if not isinstance(exc, SandboxdError):
+        log.error("request_failed", method=method, exc_info=exc)
+        return {"code": INTERNAL_ERROR, "message": "internal error in sandboxd; the daemon's log has the details."}
+    error: dict[str, Any] = {"code": exc.code, "message": exc.message}
+    if exc.data is not None:
+        error["data"] = exc.data
+    return error
+
+
+def is_request_id(value: Any) -> bool:
+    """A string or a number (not a bool), that JavaScript reads back as itself."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return False
+    return not (isinstance(value, int) and abs(value) > strictjson.MAX_DOUBLE_INT)
+
+
+class Dispatcher:
+    def __init__(self, send: Callable[[dict[str, Any]], None], methods: Mapping[str, Method],
+                 notifications: Mapping[str, Notification]) -> None:
+        self._send = send
+        self._methods = methods
+        self._notifications = notifications
+        self._answering: set[asyncio.Task[None]] = set()  # answers that wait on something
+
+    def reply(self, request_id: Any, result: Result) -> None:
+        self._send({"jsonrpc": "2.0", "id": request_id, "result": result})
+
+    def reply_error(self, request_id: Any, exc: BaseException, method: str | None = None) -> None:
+        self._send({"jsonrpc": "2.0", "id": request_id, "error": error_body(exc, method)})
+
+    def handle_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            request_id, method, params, is_request = _parse(line)
+        except _Refused as refused:
+            return self._send({"jsonrpc": "2.0", "id": refused.request_id,
+                               "error": {"code": refused.code, "message": refused.message}})
+        if not is_request:
+            notification = self._notifications.get(method)
+            if notification is not None:
+                notification(params)
+            return  # unknown notifications are ignored, as JSON-RPC asks
+        try:
+            handler = self._methods.get(method)
+            if handler is None:
+                raise MethodNotFound(f"unknown method {method!r}; the methods are {_names(self._methods)}.")
+            answer = handler(request_id, params)
+        except Exception as exc:
+            return self.reply_error(request_id, exc, method)
+        if isinstance(answer, dict):
+            return self.reply(request_id, answer)
+        task = asyncio.get_running_loop().create_task(self._answer(request_id, method, answer))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, request_id: Any, method: str, work: Awaitable[Result | None]) -> None:
+        try:
+            result = await work
+        except Exception as exc:
+            return self.reply_error(request_id, exc, method)
+        if result is not None:
+            self.reply(request_id, result)
+
+
+def _parse(line: bytes) -> tuple[Any, str, Any, bool]:
+    """(id, method, params, is a request) of a well-formed message; raises _Refused naming the problem."""
+    try:
+        message = strictjson.loads(line, unique_keys=True)
+    except UnicodeDecodeError:
+        raise _Refused(PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.") from None
+    except strictjson.DuplicateKey as exc:
+        # Which value would win is parser-dependent: refused, not guessed (PROTOCOL.md).
+        raise _Refused(INVALID_REQUEST, f"{exc}; send every key of an object once.") from None
+    except RecursionError:
+        raise _Refused(PARSE_ERROR, "message is nested too deeply to parse.") from None
+    except ValueError as exc:
+        raise _Refused(PARSE_ERROR, f"message is not JSON: {exc}.") from None
+    if isinstance(message, list):
+        raise _Refused(INVALID_REQUEST, "batches are not supported; send one request per line.")
+    if not isinstance(message, dict):
+        raise _Refused(INVALID_REQUEST, "a message must be a JSON-RPC 2.0 object.")
+    request_id = message.get("id")
+    if request_id is not None and not is_request_id(request_id):
+        if isinstance(request_id, int) and not isinstance(request_id, bool):
+            # JavaScript reads it as Infinity: no client could match the answer to its request.
+            raise _Refused(INVALID_REQUEST, "'id' is a number too large for a double; use a smaller number or a string.")
+        raise _Refused(INVALID_REQUEST, "'id' must be a string or a number.")
+    method = message.get("method")
+    if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
+        raise _Refused(INVALID_REQUEST, "not a JSON-RPC 2.0 request: it needs \"jsonrpc\": \"2.0\" and a \"method\" string.",
+                       request_id)
+    return request_id, method, message.get("params"), "id" in message
+
+
+class _Refused(Exception):
+    """A message that is not well-formed JSON-RPC 2.0: answered with ``code`` (and its id, when it had a usable one)."""
+
+    def __init__(self, code: int, message: str, request_id: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.request_id = code, message, request_id
+
+
+def _names(methods: Mapping[str, Method]) -> str:
+    names = list(methods)
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else ", ".join(names)
