@@ -42,7 +42,7 @@ def test_the_example_config_loads_and_matches_the_units() -> None:
     service, socket_unit = unit("sandboxd.service")["Service"], unit("sandboxd.socket")["Socket"]
     assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
     assert service["ExecStart"].endswith("serve --config /etc/sandboxd/config.yaml")
-    assert service["ExecReload"] == """/bin/sh -c 'exec kill -HUP "$$MAINPID"'"""
+    assert service["ExecReload"] == """/bin/sh -c 'kill -HUP "$$MAINPID"'"""
     assert "docker" in service["SupplementaryGroups"].split()
     # The daemon and the socket unit must agree on the socket, or clients look in the wrong place.
     assert socket_unit["ListenStream"] == str(config.socket)
