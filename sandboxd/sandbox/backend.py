@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from sandboxd.tools.discovery import Tool
+    from sandboxd.tools.transpile_cache import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
 
@@ -23,6 +24,7 @@ CONTAINER_TOOLS = "/officer/tools"
 CONTAINER_USER = "/officer/user"
 CONTAINER_USER_TOOLS = "/officer/user/tools"
 CONTAINER_EMAIL_DB = "/officer/data/emails.db"
+CONTAINER_CACHE = "/officer/cache"  # the transpile cache (tools/transpile_cache.py), read-only
 
 
 def container_entry_path(tool: Tool) -> str:
@@ -46,6 +48,8 @@ class SandboxSpec:
     # The trusted folder (the data path) below which the paths above are opened without
     # following links (sandbox/mounts.py); None: each path is trusted up to its own folder.
     root: Path | None = None
+    # The global tools transpiled on the host (tools/transpile_cache.py), mounted read-only; None: none yet.
+    transpile_cache: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,11 @@ class Backend(Protocol):
 
     def entry_path(self, tool: Tool) -> str:
         """The path of a tool's entry file as seen inside the sandbox."""
+        ...
+
+    async def esbuild(self, directory: Path) -> Esbuild | None:
+        """The esbuild binary the sandboxes' shim uses, runnable on this host (copied into
+        ``directory``), for the transpile cache; None when this backend takes no cache."""
         ...
 
     async def close(self) -> None: ...

@@ -36,6 +36,7 @@ from sandboxd.config import AUTO_SANDBOX_ID, DEFAULT_NETWORK, SandboxConfig
 from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import (
+    CONTAINER_CACHE,
     CONTAINER_EMAIL_DB,
     CONTAINER_TOOLS,
     CONTAINER_USER,
@@ -46,6 +47,7 @@ from sandboxd.sandbox.backend import (
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 from sandboxd.service.peercred import peer_credentials
+from sandboxd.tools.transpile_cache import CACHE_ENV, Esbuild, extract_esbuild
 from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")
@@ -100,7 +102,7 @@ def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
         "OFFICER_USER_ROOT": CONTAINER_USER,
         "PI_TOOLS_DIRS": f"{CONTAINER_TOOLS}:{CONTAINER_USER_TOOLS}",
         "OFFICER_EMAIL_DB": CONTAINER_EMAIL_DB,
-    }
+    } | ({CACHE_ENV: CONTAINER_CACHE} if spec.transpile_cache is not None else {})
 
 
 class _ShimListener:
@@ -430,6 +432,12 @@ class DockerBackend:
         sandbox.channel.shutdown()
         sandbox.close_transports()
         await self._remove_quiet(sandbox.container_id)
+
+    async def esbuild(self, directory: Path) -> Esbuild | None:
+        if self.config.transport != "socket":
+            return None  # attach: the engine may be remote, and cannot be assumed to see the data path
+        labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance}
+        return await self._run(lambda: extract_esbuild(self.api(), self.config.image, directory, labels))
 
     async def preflight(self) -> None:
         if self.config.transport != "socket":

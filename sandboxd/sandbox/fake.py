@@ -141,6 +141,9 @@ class FakeBackend:
     def entry_path(self, tool: Any) -> str:
         return str(tool.entry)
 
+    async def esbuild(self, directory: Any) -> None:
+        return None  # in-memory sandboxes run no shim: no transpile cache
+
     async def close(self) -> None:
         return None
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Literal
 
 from sandboxd.errors import BackendUnavailable, UnsafeMount
-from sandboxd.sandbox.backend import CONTAINER_EMAIL_DB, CONTAINER_TOOLS, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
+from sandboxd.sandbox.backend import (CONTAINER_CACHE, CONTAINER_EMAIL_DB, CONTAINER_TOOLS, CONTAINER_USER,
+                                      CONTAINER_USER_TOOLS, SandboxSpec)
 
 Kind = Literal["dir", "file"]
 
@@ -202,6 +203,8 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
         Bind(CONTAINER_USER, _dir(root, spec.user_dir, uid, R | W | X, 0o700), False),
         Bind(CONTAINER_USER_TOOLS, _dir(root, spec.user_tools_dir, uid, R | X, 0o755), True),
     ]
+    if spec.transpile_cache is not None:  # the daemon's own folder; read-only, or one sandbox could poison all
+        binds.append(Bind(CONTAINER_CACHE, _dir(root, spec.transpile_cache, uid, R | X, 0o755), True))
     warnings = []
     if spec.email_db is not None:
         try:

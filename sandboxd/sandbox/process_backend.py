@@ -165,6 +165,9 @@ class ProcessBackend:
     def entry_path(self, tool: Any) -> str:
         return str(tool.entry)
 
+    async def esbuild(self, directory: Any) -> None:
+        return None  # sandboxes see the host's paths, not /officer/tools: no transpile cache
+
     async def close(self) -> None:
         for sandbox in list(self._live):
             await self.destroy(sandbox)

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
 from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, flatten, needs_restart
-from sandboxd.errors import ConfigError, InvalidParams
+from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.mounts import migrate_email_db
@@ -30,6 +30,7 @@ from sandboxd.service.metrics import Metrics
 from sandboxd.service.peercred import PeerPolicy
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
+from sandboxd.tools.transpile_cache import TranspileCache, transpile_bin_dir
 from sandboxd.unixsocket import bind_unix_socket
 from sandboxd.users import check_user, global_tools_dir, user_dir, user_tools_dir
 
@@ -70,7 +71,9 @@ class Server:
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
         self.backend = backend or make_backend(config)
-        self.catalog = ToolCatalog(config.data_path)
+        # The global tools transpiled on the host, refilled when a scan finds them changed.
+        self.transpile_cache = TranspileCache(global_tools_dir(config.data_path), config.data_path)
+        self.catalog = ToolCatalog(config.data_path, on_global_change=self.transpile_cache.request)
         self.pool = Pool(self.backend, config.pool, self.spec_for)
         self.runner = CallRunner(config, self.pool, self.backend)
         self.connections: set[Connection] = set()
@@ -80,6 +83,7 @@ class Server:
         self.started_at = time.monotonic()
         self._listener: asyncio.AbstractServer | None = None
         self._maintenance: asyncio.Task[None] | None = None
+        self._transpile_start: asyncio.Task[None] | None = None
         self._orphans_removed = False
         self._orphan_warning_logged = False
         self.orphans_reaped = 0
@@ -98,6 +102,7 @@ class Server:
             user_tools_dir=user_tools_dir(data, user),
             email_db=email_db_path(self.config, user),
             root=data,
+            transpile_cache=self.transpile_cache.directory,
         )
 
     # -- startup ---------------------------------------------------------------
@@ -112,6 +117,7 @@ class Server:
         await self.backend.preflight()  # a rootless or remote engine: one line now, not an error per call
         await self._remove_orphans()
         await asyncio.to_thread(self._migrate_email_dbs)
+        self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
         self._check_data_path_mount()
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
@@ -130,6 +136,18 @@ class Server:
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
                                "filesystem; for development only, never for untrusted tools")
+
+    async def _start_transpile_cache(self) -> None:
+        """Copy the image's esbuild out (once per version) and fill the cache, in the background:
+        sandboxes started before it is ready start esbuild themselves, as without a cache."""
+        try:
+            esbuild = await self.backend.esbuild(transpile_bin_dir(self.config.data_path))
+        except (BackendUnavailable, OSError) as exc:
+            log.warning("transpile_cache_unavailable", error=str(exc),
+                        detail="each sandbox transpiles the global tools itself (slower first calls)")
+            return
+        if esbuild is not None:
+            self.transpile_cache.start(esbuild)
 
     def _lock_data_path(self) -> None:
         """Hold DATA_PATH/.sandboxd.lock for the daemon's life (the kernel drops it when the
@@ -363,6 +381,7 @@ class Server:
                 conn.transport.close()
         await self.backend.close()
         self.catalog.close()  # a scan still running in a worker is not waited for
+        self.transpile_cache.stop()
         if self._data_lock is not None:
             os.close(self._data_lock)
             self._data_lock = None

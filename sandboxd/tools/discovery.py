@@ -285,8 +285,10 @@ class ToolCatalog:
     list_async/refresh, which scan in worker threads, and lookup, which never scans.
     """
 
-    def __init__(self, data_path: Path) -> None:
+    def __init__(self, data_path: Path, *, on_global_change: Callable[[], None] | None = None) -> None:
         self.data_path = Path(data_path)
+        # Told (from a scan's thread) when a scan finds the global tools changed: the transpile cache refills.
+        self.on_global_change = on_global_change
         self._locks_lock = threading.Lock()
         self._root_locks: dict[Path, threading.Lock] = {}
         # Per root, so a root's entries can be dropped when its directories go.
@@ -434,9 +436,13 @@ class ToolCatalog:
                 skipped.insert(0, Skipped(root, source, problems))
             snapshot = _Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
                                  {tool.name: tool for tool in tools}, time.monotonic(), scanned_at)
+            previous = self._snapshots.get(root)
             if log_skips:  # the daemon's scans: the operator's log says why a tool is not offered
-                _log_new_skips(self._snapshots.get(root), snapshot)
+                _log_new_skips(previous, snapshot)
             self._snapshots[root] = snapshot
+            if (source == "global" and self.on_global_change is not None
+                    and (previous is None or previous.fingerprint != fingerprint)):
+                self.on_global_change()
             if len(self._snapshots) > _MAX_CACHED_ROOTS:
                 self._forget_empty_roots(keep=root)
             return snapshot

@@ -6,6 +6,9 @@
 // relative imports, node: builtins, __dirname, __filename and import.meta.url all
 // work per file. Transforms are cached by (filename, content hash); a tool whose
 // files changed on disk is dropped from require.cache before its next call.
+// With SANDBOXD_TRANSPILE_CACHE (a folder the daemon fills with the global tools
+// transpiled on the host, mounted read-only), a file found there by key is not
+// transpiled here, and esbuild starts only on a miss (docs/performance.md).
 const Module = require('node:module');
 const fs = require('node:fs');
 const path = require('node:path');
@@ -16,17 +19,49 @@ const { performance } = require('node:perf_hooks');
 const TS_LOADERS = { '.ts': 'ts', '.mts': 'ts', '.cts': 'ts', '.tsx': 'tsx' };
 const JS_ALTERNATIVES = { '.js': ['.ts', '.tsx'], '.jsx': ['.tsx'], '.mjs': ['.mts'], '.cjs': ['.cts'] };
 
-const stats = { transpiles: 0, transpileCacheHits: 0, transpileMs: 0, loads: 0, reloads: 0 };
+const stats = { transpiles: 0, transpileCacheHits: 0, precompiledHits: 0, transpileMs: 0, loads: 0, reloads: 0,
+  esbuildStarted: false };
 const transpiled = new Map(); // filename -> { hash, code }
 const sourceRoots = new Set(); // real paths of called tools' folders and the PI_TOOLS_DIRS roots
 const signatures = new Map(); // filename -> stat signature at load time
 
 let esbuild = null;
 let warn = (msg) => process.stderr.write(`${msg}\n`);
+let precompiledDir = null;
+let esbuildVersion = null;
 
 function getEsbuild() {
-  if (!esbuild) esbuild = require('esbuild');
+  if (!esbuild) {
+    esbuild = require('esbuild');
+    stats.esbuildStarted = true;
+  }
   return esbuild;
+}
+
+/**
+ * The name of a file's transpiled code in the daemon's cache: the esbuild version, the
+ * loader, the file's path and its source decide the output (sandboxd/tools/transpile_cache.py
+ * computes the same key).
+ */
+function precompiledKey(filename, source, loader) {
+  if (esbuildVersion === null) {
+    // Read, not required: loading esbuild's package would start nothing, but costs ~5 ms.
+    esbuildVersion = JSON.parse(fs.readFileSync(require.resolve('esbuild/package.json'), 'utf8')).version;
+  }
+  return crypto
+    .createHash('sha256')
+    .update(`sandboxd-transpile-1\0${esbuildVersion}\0${loader}\0${filename}\0`)
+    .update(source)
+    .digest('hex');
+}
+
+function readPrecompiled(filename, source, loader) {
+  if (precompiledDir === null) return null;
+  try {
+    return fs.readFileSync(path.join(precompiledDir, `${precompiledKey(filename, source, loader)}.js`), 'utf8');
+  } catch {
+    return null; // a miss: not a global tool, edited since, or the cache is still being filled
+  }
 }
 
 /** Start esbuild's service ahead of the first TypeScript call. */
@@ -92,6 +127,12 @@ function transpile(filename, source, loader) {
     stats.transpileCacheHits += 1;
     return hit.code;
   }
+  const precompiled = readPrecompiled(filename, source, loader);
+  if (precompiled !== null) {
+    stats.precompiledHits += 1;
+    transpiled.set(filename, { hash, code: precompiled });
+    return precompiled;
+  }
   const t0 = performance.now();
   let result;
   try {
@@ -140,6 +181,7 @@ function install(options = {}) {
   if (installed) return;
   installed = true;
   if (options.warn) warn = options.warn;
+  if (options.precompiledDir && path.isAbsolute(options.precompiledDir)) precompiledDir = options.precompiledDir;
   for (const dir of (options.toolsDirs || '').split(':')) {
     if (dir && path.isAbsolute(dir)) addSourceRoot(dir);
   }

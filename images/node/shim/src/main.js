@@ -59,7 +59,9 @@ const out = output.install(
 );
 const log = out.log;
 
-loader.install({ warn: (m) => out.callLog(m), toolsDirs: process.env.PI_TOOLS_DIRS });
+const precompiledDir = process.env.SANDBOXD_TRANSPILE_CACHE;
+delete process.env.SANDBOXD_TRANSPILE_CACHE;
+loader.install({ warn: (m) => out.callLog(m), toolsDirs: process.env.PI_TOOLS_DIRS, precompiledDir });
 
 // ---------------------------------------------------------------- protocol out
 
@@ -334,7 +336,9 @@ async function start() {
   // esbuild's service starts before `ready` (about 35 ms): a sandbox that the pool
   // starts ahead of need is then fully warm when a call gets it, and a caller who
   // waits for a start pays the same either way (its first call needed the service).
-  if (process.env.SANDBOXD_SHIM_PREWARM !== '0') {
+  // Not with the daemon's transpile cache: the global tools need no esbuild, and an
+  // idle sandbox without its service is ~MB smaller; a user's own tool starts it.
+  if (process.env.SANDBOXD_SHIM_PREWARM !== '0' && !precompiledDir) {
     try {
       loader.prewarm();
     } catch (e) {
