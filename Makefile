@@ -37,7 +37,7 @@ test: setup image clients
 	$(BIN)/python -m pytest tests
 	$(CLIENT_TESTS)
 
-test-unit: setup
+test-unit: setup shim-deps
 	$(BIN)/python -m pytest tests/unit
 
 test-shim:

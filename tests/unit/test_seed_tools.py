@@ -22,7 +22,7 @@ HELPER = SEED / "email_db" / "bin" / "email_db.py"
 
 
 def test_the_seed_holds_the_platform_tools_and_validates_clean() -> None:
-    assert {"email_db", "ffmpeg", "convert_audio_to_mp3", "ocr"} <= set(TOOLS)
+    assert {"email_db", "ffmpeg", "convert_audio_to_mp3", "ocr", "web_fetch", "web_search"} <= set(TOOLS)
     run = subprocess.run([sys.executable, "-m", "sandboxd", "validate", str(SEED)], capture_output=True, text=True,
                          cwd=REPO)
     assert run.returncode == 0, run.stdout + run.stderr
