@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.config import load_config
+from sandboxd.config import RUNNER_IMAGE, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
@@ -53,6 +53,8 @@ def test_the_example_config_loads_and_matches_the_units() -> None:
     # Shutdown lets calls finish for the grace, then cancels (5 s) and removes containers: systemd must wait longer.
     assert int(service["TimeoutStopSec"].rstrip("s")) >= config.pool.shutdown_grace_s + 5 + 30
     assert config.metrics.listen is None and config.allowed_uids == [] and config.log_format == "json"
+    # A pinned image goes stale at the next release (0.2.0 stayed here after 0.3.0: a clean host has no such image).
+    assert config.sandbox.image == RUNNER_IMAGE
 
 
 def test_sysusers_creates_the_user_the_unit_runs_as() -> None:
