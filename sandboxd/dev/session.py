@@ -15,16 +15,15 @@ that reports on it says so.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from sandboxd.config import Config, PoolConfig, email_db_path
-from sandboxd.errors import BackendUnavailable, SandboxFailed
+from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
 from sandboxd.sandbox.pool import Pool
-from sandboxd.server.calls import CallContext, CallParams, CallRunner, result, text
+from sandboxd.server.calls import CallContext, CallParams, CallRunner
 from sandboxd.tools.discovery import Tool
 from sandboxd.users import global_tools_dir, user_dir
 
@@ -186,30 +185,18 @@ class DevSession:
         self.runner = CallRunner(config, self.pool, self.backend)
         self.calls = 0
         self._current: CallContext | None = None
-        self._killed = False
 
     async def call(self, tool: Tool, arguments: dict[str, Any], timeout_s: float,
                    on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
         """Run execute() once; the result object is the daemon's (content, isError, status, durationMs)."""
         self.calls += 1
         params = CallParams(self.spec.user, tool, arguments, f"run_{self.calls}", {}, timeout_s)
-        ctx = CallContext(request_id=self.calls)
-        ctx.task = task = asyncio.ensure_future(self.runner.run(params, ctx, on_progress))
-        self._current, self._killed = ctx, False
-        started = time.monotonic()
+        ctx = self._current = CallContext(request_id=self.calls)
         try:
-            outcome = await task
-        except asyncio.CancelledError:
-            if not task.cancelled() or ctx.cancel_reason is None:
-                raise  # we are being cancelled ourselves
-            # Ctrl-C before the runner's task even began.
-            outcome = result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."),
-                             started)
+            # In a task of its own: a cancel while it waits for the sandbox cancels that task, not ours.
+            return await asyncio.ensure_future(self.runner.run(params, ctx, on_progress))
         finally:
             self._current = None
-        if self._killed:
-            outcome.update(status="cancelled", isError=True, content=text(KILL_MESSAGE))
-        return outcome
 
     def interrupt(self) -> Literal["cancel", "kill", "wait"] | None:
         """Ctrl-C: the first fires the tool's AbortSignal, the second kills the sandbox.
@@ -222,11 +209,7 @@ class DevSession:
         if ctx.cancel_reason is None:
             ctx.cancel("cancelled with Ctrl-C")
             return "cancel"
-        if ctx.future is not None and not ctx.future.done():
-            self._killed = True
-            ctx.future.set_exception(SandboxFailed(KILL_MESSAGE))
-            return "kill"
-        return "wait"
+        return "kill" if ctx.kill(KILL_MESSAGE) else "wait"
 
     async def close(self) -> None:
         await self.pool.close(grace=0.0)

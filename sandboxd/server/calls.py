@@ -15,6 +15,7 @@ running out after a cancel; no extra task is created on this hot path.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import json
 import time
@@ -26,7 +27,7 @@ from sandboxd import strictjson
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values
-from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits
+from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.rpc import is_request_id, notification
 from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
@@ -49,6 +50,12 @@ class _Timeout(Exception):
 
 class _GraceExpired(Exception):
     pass
+
+
+class _Killed(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _ProgressCapExceeded(Exception):
@@ -159,33 +166,68 @@ def _check_env(env: Any, allowed: list[str]) -> dict[str, str]:
     return dict(env)
 
 
+class Phase(enum.Enum):
+    CHECKING = "checking"  # params checked, maybe a tools scan: a cancel is only noted
+    QUEUED = "queued"  # waiting for a sandbox: a cancel stops the wait
+    RUNNING = "running"  # in a sandbox: a cancel fires the tool's AbortSignal, and the grace runs
+    DONE = "done"
+
+
 @dataclass(eq=False)
 class CallContext:
-    """A call in flight: what a cancel notification or a disconnect acts on."""
+    """A call in flight: what a cancel notification, a disconnect or shutdown acts on.
+
+    Only the runner moves it through its phases (checking → queued → running → done);
+    everyone else may ``cancel`` or ``kill`` it.
+    """
 
     request_id: Any
-    phase: str = "checking"  # checking → queued → running → done
-    task: asyncio.Task[Any] | None = None
-    sandbox: Any = None
-    future: asyncio.Future[dict[str, Any]] | None = None
-    cancel_reason: str | None = None
-    queue_wait_s: float | None = None  # set once a sandbox is acquired
-    grace: float = 2.0
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    client_gone: bool = False  # its connection closed: nobody reads its answer
+    grace: float = 2.0  # s a cancelled tool has to stop (calls.cancel_grace_ms), set by the runner
+    phase: Phase = field(default=Phase.CHECKING, init=False)
+    task: asyncio.Task[Any] | None = field(default=None, init=False)  # the one running the call
+    sandbox: Sandbox | None = field(default=None, init=False)
+    cancel_reason: str | None = field(default=None, init=False)
+    queue_wait_s: float | None = field(default=None, init=False)  # set once a sandbox is acquired
+    client_gone: bool = field(default=False, init=False)  # its connection closed: nobody reads its answer
+    _future: asyncio.Future[dict[str, Any]] | None = field(default=None, init=False, repr=False)
+    _timers: list[asyncio.TimerHandle] = field(default_factory=list, init=False, repr=False)
 
-    def cancel(self, reason: str) -> None:
-        if self.cancel_reason is not None or self.phase == "done":
+    def cancel(self, reason: str, *, grace: float | None = None) -> None:
+        """Stop the call, and answer it ``cancelled``; a tool still running after the grace is killed."""
+        if self.cancel_reason is not None or self.phase is Phase.DONE:
             return
         self.cancel_reason = reason
-        # Not while "checking": a task cancelled before its first step never runs its
+        if grace is not None:
+            self.grace = grace
+        # Not while checking: a task cancelled before its first step never runs its
         # body, so the call would go unanswered. The runner sees cancel_reason instead.
-        if self.phase == "queued" and self.task is not None:
+        if self.phase is Phase.QUEUED and self.task is not None:
             self.task.cancel()
-        elif self.phase == "running" and self.sandbox is not None and self.future is not None:
+        elif self.phase is Phase.RUNNING and self.sandbox is not None and self._future is not None:
             self.sandbox.cancel(reason)  # the tool's AbortSignal fires now
-            loop = asyncio.get_running_loop()
-            self.timers.append(loop.call_later(self.grace, _fail, self.future, _GraceExpired()))
+            self._timers.append(asyncio.get_running_loop().call_later(self.grace, _fail, self._future, _GraceExpired()))
+
+    def kill(self, message: str) -> bool:
+        """End a running call now, answered ``cancelled`` with ``message``; its sandbox is replaced.
+        False if no tool is running (nothing to kill)."""
+        if self.phase is not Phase.RUNNING or self._future is None or self._future.done():
+            return False
+        self._future.set_exception(_Killed(message))
+        return True
+
+    # -- moved on by the runner only ------------------------------------------
+
+    def enter_queue(self) -> None:
+        self.phase = Phase.QUEUED
+
+    def start_running(self, sandbox: Sandbox, future: asyncio.Future[dict[str, Any]], timeout_s: float) -> None:
+        self.phase, self.sandbox, self._future = Phase.RUNNING, sandbox, future
+        self._timers.append(asyncio.get_running_loop().call_later(timeout_s, _fail, future, _Timeout()))
+
+    def finish(self) -> None:
+        self.phase = Phase.DONE
+        for timer in self._timers:
+            timer.cancel()
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
@@ -205,6 +247,10 @@ def result(status: str, content: list[Any], started: float, *, is_error: bool | 
     return out
 
 
+def _not_started(ctx: CallContext, started: float) -> dict[str, Any]:
+    return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+
+
 def text(message: str) -> list[dict[str, str]]:
     return [{"type": "text", "text": message}]
 
@@ -220,9 +266,14 @@ class CallRunner:
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
         started = time.monotonic()
+        ctx.task = asyncio.current_task()
         try:
             with secret_values(call.secrets()):
                 outcome = await self._run(call, ctx, on_progress, started)
+        except asyncio.CancelledError:
+            if ctx.cancel_reason is None:
+                raise  # the daemon itself is stopping the task
+            outcome = _not_started(ctx, started)  # cancelled while it waited for a sandbox
         except Exception as exc:
             error = exc.message if isinstance(exc, SandboxdError) else None
             self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
@@ -252,7 +303,7 @@ class CallRunner:
             status=status,
             duration_ms=round(duration_s * 1000),
             queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
-            sandbox=getattr(ctx.sandbox, "id", None),
+            sandbox=None if ctx.sandbox is None else ctx.sandbox.id,
             **({"error": error} if error else {}),
         )
         if self.on_call is not None:
@@ -261,20 +312,14 @@ class CallRunner:
     async def _run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None], started: float) -> dict[str, Any]:
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
         if ctx.cancel_reason is not None:  # cancelled before it got here
-            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
-        ctx.phase = "queued"
+            return _not_started(ctx, started)
+        ctx.enter_queue()
         queued_at = time.monotonic()
-        try:
-            pooled = await self.pool.acquire(call.user)
-        except asyncio.CancelledError:
-            if ctx.cancel_reason is None:
-                raise  # the daemon itself is stopping the task
-            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+        pooled = await self.pool.acquire(call.user)
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = False
         calls = self.config.calls
         try:
-            ctx.phase, ctx.sandbox = "running", pooled.sandbox
             request = CallRequest(
                 tool_call_id=call.tool_call_id,
                 entry=self.backend.entry_path(call.tool),
@@ -285,9 +330,8 @@ class CallRunner:
             )
             assert pooled.sandbox is not None
             progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
-            ctx.future = future = progress.future = pooled.sandbox.call(request, progress)
-            loop = asyncio.get_running_loop()
-            ctx.timers.append(loop.call_later(call.timeout_s, _fail, future, _Timeout()))
+            future = progress.future = pooled.sandbox.call(request, progress)
+            ctx.start_running(pooled.sandbox, future, call.timeout_s)
             try:
                 answer = await future
             except _Timeout:
@@ -298,6 +342,8 @@ class CallRunner:
                 return result("cancelled", text(
                     f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
                     f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
+            except _Killed as exc:
+                return result("cancelled", text(exc.message), started)
             except (SandboxFailed, _ProgressCapExceeded) as exc:
                 return result("crashed", text(exc.message), started)
             # The shim says when a tool left processes running or /tmp full (docs/shim.md).
@@ -313,9 +359,7 @@ class CallRunner:
             status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
             return result(status, content, started, details=answer.get("details"))
         finally:
-            ctx.phase = "done"
-            for timer in ctx.timers:
-                timer.cancel()
+            ctx.finish()
             # Released just after the answer is written (connection.py sends it when run returns):
             # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
             asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
@@ -340,7 +384,6 @@ class Calls:
     async def run(self, ctx: CallContext, params: Any, arrived: float, on_progress: Callable[[list[Any]], None],
                   call: CallParams | None) -> dict[str, Any] | None:
         """Check (``call`` is None: after a tools scan), run and answer one call; None: its client is gone."""
-        ctx.task = asyncio.current_task()
         while call is None:
             await self.catalog.refresh(params.get("user"), since=arrived)
             if ctx.client_gone:
@@ -349,13 +392,7 @@ class Calls:
                 call = self.check(params, arrived)  # the lookup now trusts the scan just made
             except ScanNeeded:
                 continue
-        started = time.monotonic()
-        try:
-            return await self.runner.run(call, ctx, on_progress)
-        except asyncio.CancelledError:
-            if ctx.cancel_reason is None:
-                raise
-            return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+        return await self.runner.run(call, ctx, on_progress)
 
     def check(self, params: Any, arrived: float) -> CallParams:
         return parse_call_params(params, self.catalog, self.runner.config, since=arrived)
@@ -451,6 +488,6 @@ class ConnectionCalls:
 
     def _pause_sandbox(self, ctx: CallContext) -> None:
         sandbox = ctx.sandbox
-        if ctx.phase == "running" and sandbox is not None and sandbox not in self._paused_sandboxes:
+        if ctx.phase is Phase.RUNNING and sandbox is not None and sandbox not in self._paused_sandboxes:
             sandbox.pause_reading()
             self._paused_sandboxes.add(sandbox)

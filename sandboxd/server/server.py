@@ -368,8 +368,7 @@ class Server:
             await asyncio.sleep(0.05)
         # 3. Cancel what is left: each answers `cancelled` and its sandbox is killed.
         for ctx in list(self.calls_in_flight):
-            ctx.grace = 0.0
-            ctx.cancel("sandboxd is shutting down")
+            ctx.cancel("sandboxd is shutting down", grace=0.0)
         tasks = [ctx.task for ctx in self.calls_in_flight if ctx.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5)
