@@ -475,7 +475,7 @@ async function fetchPage(params: Params, signal?: AbortSignal, onUpdate?: OnUpda
 
   const { mime, charset } = contentType(res);
   const unknown = mime === '' || mime === 'application/octet-stream';
-  const html = mime === 'text/html' || mime === 'application/xhtml+xml' || ((unknown || mime === 'text/plain') && looksLikeHtml(body.bytes));
+  const html = mime === 'text/html' || mime === 'application/xhtml+xml' || (unknown && looksLikeHtml(body.bytes));
   const textual = html || TEXT_TYPES.test(mime) || (unknown && looksLikeText(body.bytes));
   const page = html ? htmlToText(decode(body.bytes, charset, true), url) : undefined;
   const text = page ? page.text : textual ? decode(body.bytes, charset, false).replace(/\r\n/g, '\n').trim() : '';
