@@ -69,6 +69,8 @@ def test_web_fetch_reaches_a_server_egress_allow_names(make_daemon: Any) -> None
             line = f"Hello from the host [{site.base}/more]."
             assert f"Saved {len(line)} characters (1 lines) of text to /officer/user/news.txt." in saved, saved
             assert "Hello from the host" in (daemon.user_dir(A) / "news.txt").read_text()
+            refused(call(client, "web_fetch", {"url": site.base + "/article", "output_path": "/officer/tools/x.txt"}),
+                    "output_path must be inside /officer/user")
 
             # The redirect's second hop is checked by the proxy again: refused, never fetched.
             refused(call(client, "web_fetch", {"url": site.base + "/away"}), POLICY, f"127.0.0.1:{other.server.server_address[1]}")

@@ -7,6 +7,7 @@ Nothing here leaves 127.0.0.1.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -253,6 +254,14 @@ def test_web_fetch_reads_at_most_5_mib_of_an_endless_response(site: Site, home: 
     got = ok(run_tool("web_fetch", {"url": site.base + "/endless", "timeout_seconds": 60}, home))
     assert "[web_fetch stopped reading after 5.0 MiB: the response is larger; what follows is its beginning only.]" in got
     assert "all work and no play" in got and "[cut at 20000 of 5242880 characters" in got, got[-200:]
+
+
+def test_web_fetch_counts_the_5_mib_after_decompression(site: Site, home: Path) -> None:
+    bomb = gzip.compress(b"z" * (64 << 20), compresslevel=9)  # 64 MiB of text in ~64 KiB
+    site.routes["/bomb"] = page(bomb, "text/plain", headers={"Content-Encoding": "gzip"})
+    got = ok(run_tool("web_fetch", {"url": site.base + "/bomb", "max_chars": 10}, home))
+    assert len(bomb) < 1 << 20 and "[web_fetch stopped reading after 5.0 MiB" in got, got
+    assert "zzzzzzzzzz\n\n[cut at 10 of 5242880 characters" in got, got
 
 
 def test_web_fetch_honours_the_abort_signal(site: Site, home: Path) -> None:
