@@ -64,14 +64,15 @@ function reasons(e: unknown): string[] {
     const message = cur instanceof Error ? cur.message : String(cur);
     const code = (cur as { code?: unknown }).code;
     const text = typeof code === 'string' && !message.includes(code) ? `${message} (${code})` : message;
-    if (text && !out.includes(text)) out.push(text);
+    if (text && !out.some((seen) => seen.includes(text))) out.push(text); // a wrapper often repeats its cause
     cur = cur instanceof Error ? cur.cause : undefined;
   }
   return out;
 }
 
 function egressRefusal(e: unknown): string | undefined {
-  return reasons(e).find((r) => r.includes("sandboxd's egress policy"));
+  // The innermost such message is the proxy's own line, without "fetch failed: " before it.
+  return reasons(e).reverse().find((r) => r.includes("sandboxd's egress policy"));
 }
 
 async function readCapped(res: Response, cap: number): Promise<{ bytes: Buffer; truncated: boolean }> {

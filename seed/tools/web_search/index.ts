@@ -35,7 +35,7 @@ function reasons(e: unknown): string[] {
     const message = cur instanceof Error ? cur.message : String(cur);
     const code = (cur as { code?: unknown }).code;
     const text = typeof code === 'string' && !message.includes(code) ? `${message} (${code})` : message;
-    if (text && !out.includes(text)) out.push(text);
+    if (text && !out.some((seen) => seen.includes(text))) out.push(text); // a wrapper often repeats its cause
     cur = cur instanceof Error ? cur.cause : undefined;
   }
   return out;
@@ -128,7 +128,7 @@ async function search(params: Params, signal?: AbortSignal, onUpdate?: OnUpdate)
     if (signal?.aborted) return err('web_search was cancelled.');
     if (timeout.aborted) return err(`${where} did not answer within ${TIMEOUT_S} s; try again later or tell the user search is slow.`);
     const why = reasons(e);
-    const refusal = why.find((r) => r.includes("sandboxd's egress policy"));
+    const refusal = [...why].reverse().find((r) => r.includes("sandboxd's egress policy")); // the proxy's own line
     if (refusal) return err(`Could not reach ${where}: ${refusal}. The operator must allow SearXNG's host and port in egress.allow.`);
     return err(`Could not reach ${where}: ${why.join(': ')}. Check that SearXNG runs and PI_SEARXNG_URL points at it.`);
   }
