@@ -21,6 +21,7 @@ The tests run in file order against one installed machine; each says what state 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -49,6 +50,8 @@ DATA_PATH = Path("/var/lib/sandboxd")
 HOST_DIRS = (Path("/run/sandboxd"), DATA_PATH)
 # Names the container of the run that made HOST_DIRS, so an interrupted run's are recognised.
 MARKER = Path("/run/sandboxd-systemd-e2e")
+# Held by the run using HOST_DIRS: a second run on this host waits for it.
+LOCK = Path("/run/sandboxd-systemd-e2e.lock")
 RPC = "/usr/local/lib/sandboxd-e2e-rpc.py"
 MEMBER, OUTSIDER = "pi-bridge", "outsider"
 A = "alice@example.com"
@@ -121,10 +124,12 @@ class Machine:
         out = self.sh("journalctl --no-pager -o json -u sandboxd.service -u sandboxd.socket").stdout
         return [json.loads(line) for line in out.splitlines()]
 
+    def daemon_output(self) -> list[dict[str, Any]]:
+        """The entries of what the daemon itself wrote (its stdout/stderr), not what systemd says about it."""
+        return [e for e in self.journal() if e.get("_SYSTEMD_UNIT") == "sandboxd.service" and e.get("_TRANSPORT") == "stdout"]
+
     def daemon_lines(self) -> list[str]:
-        """What the daemon itself wrote (its stdout/stderr stream), not what systemd says about it."""
-        return [e["MESSAGE"] for e in self.journal()
-                if e.get("_SYSTEMD_UNIT") == "sandboxd.service" and e.get("_TRANSPORT") == "stdout"]
+        return [e["MESSAGE"] for e in self.daemon_output()]
 
     def events(self, name: str) -> list[dict[str, Any]]:
         found = []
@@ -161,6 +166,21 @@ def instance_containers(docker_api: Any) -> list[dict[str, Any]]:
 def remove_instance_containers(docker_api: Any) -> None:
     for container in instance_containers(docker_api):
         docker_api.api.remove_container(container["Id"], force=True)
+
+
+def hold_the_host(timeout: float = 600) -> int:
+    """The lock on HOST_DIRS (an fd: the kernel drops it if this process dies)."""
+    fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                need(False, f"another run of the systemd test has held {LOCK} for {timeout:.0f} s")
+            time.sleep(1)
 
 
 def free_host_dirs(docker_api: Any) -> None:
@@ -216,18 +236,19 @@ def machine(docker_api: Any) -> Iterator[Machine]:
     # match its lock file; the container has neither npm nor a network. `make test` runs `make image` first.
     shim = REPO / "images" / "node" / "shim"
     stamp = shim / "node_modules" / ".sandboxd-lock-sha256"
-    lock = hashlib.sha256((shim / "package.json").read_bytes() + (shim / "package-lock.json").read_bytes()).hexdigest()
-    need(stamp.is_file() and stamp.read_text().strip() == lock,
+    wanted = hashlib.sha256((shim / "package.json").read_bytes() + (shim / "package-lock.json").read_bytes()).hexdigest()
+    need(stamp.is_file() and stamp.read_text().strip() == wanted,
          "the shim's node_modules do not match its package-lock.json: run `make image` first")
     wheels = dependency_wheels()
-    free_host_dirs(docker_api)
 
     name = f"sandboxd-systemd-e2e-{uuid.uuid4().hex[:8]}"
-    MARKER.write_text(name)
-    for path in HOST_DIRS:
-        path.mkdir(parents=True)
     machine = Machine(name)
+    lock = hold_the_host()
     try:
+        free_host_dirs(docker_api)
+        MARKER.write_text(name)
+        for path in HOST_DIRS:
+            path.mkdir(parents=True)
         run(["docker", "run", "-d", "--name", name, "--network", "none",
              # systemd as PID 1 on this engine (docs: ../shared/notes/docker-here.md)
              "--cap-add", "SYS_ADMIN", "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
@@ -253,15 +274,17 @@ def machine(docker_api: Any) -> Iterator[Machine]:
         machine.sh(f"useradd --create-home --groups sandboxd {MEMBER} && useradd --create-home {OUTSIDER}")
         yield machine
     finally:
-        journal = run(["docker", "exec", name, "journalctl", "--no-pager", "-o", "short-precise"], check=False)
-        (REPO / "build").mkdir(exist_ok=True)
-        (REPO / "build" / "systemd-e2e-journal.txt").write_text(journal.stdout)  # for a post-mortem
-        run(["docker", "exec", name, "systemctl", "stop", "sandboxd.service", "sandboxd.socket"], check=False)
-        run(["docker", "rm", "-f", name], check=False)
-        remove_instance_containers(docker_api)
-        for path in HOST_DIRS:
-            shutil.rmtree(path, ignore_errors=True)
-        MARKER.unlink(missing_ok=True)
+        if MARKER.exists() and MARKER.read_text() == name:  # HOST_DIRS are this run's: undo all of it
+            journal = run(["docker", "exec", name, "journalctl", "--no-pager", "-o", "short-precise"], check=False)
+            (REPO / "build").mkdir(exist_ok=True)
+            (REPO / "build" / "systemd-e2e-journal.txt").write_text(journal.stdout)  # for a post-mortem
+            run(["docker", "exec", name, "systemctl", "stop", "sandboxd.service", "sandboxd.socket"], check=False)
+            run(["docker", "rm", "-f", name], check=False)
+            remove_instance_containers(docker_api)
+            for path in HOST_DIRS:
+                shutil.rmtree(path, ignore_errors=True)
+            MARKER.unlink()
+        os.close(lock)
 
 
 def call(tool: str, arguments: dict[str, Any], env: dict[str, str] | None = None, id: int = 7) -> dict[str, Any]:
@@ -371,11 +394,32 @@ def test_the_watchdog_restarts_a_daemon_whose_loop_is_stopped(machine: Machine) 
         machine.sh("rm -rf /etc/systemd/system/sandboxd.service.d && systemctl daemon-reload")
 
 
+def test_a_config_that_does_not_load_fails_the_unit_and_its_clients_get_an_error(machine: Machine) -> None:
+    """No restart mends a bad config: the unit fails instead of restarting every RestartSec
+    for ever while the clients queued in the socket wait for a daemon that never comes."""
+    config = "/etc/sandboxd/config.yaml"
+    machine.sh(f"cp {config} /root/config.yaml.good && sed -i -E 's/^  max_per_user: [0-9]+/  max_per_user: 0/' {config}")
+    try:
+        assert machine.sh("systemctl restart sandboxd.service", check=False).returncode != 0
+        assert machine.active("sandboxd.service") == "failed"  # not "activating": no auto-restart
+        assert [e for e in machine.journal() if "pool.max_per_user" in str(e.get("MESSAGE"))]  # the reason, in the journal
+        # The client's connection starts the daemon again, which fails again, until systemd's
+        # start limit stops the socket: the client gets an error in seconds, not a hang.
+        answer = machine.rpc(MEMBER, PING, timeout=60)
+        assert len(answer) == 1 and (answer[0].get("closed") or answer[0].get("connect_error")), answer
+        assert machine.active("sandboxd.socket") == "failed"
+    finally:
+        machine.sh(f"cp /root/config.yaml.good {config} && systemctl reset-failed sandboxd.service sandboxd.socket"
+                   " && systemctl start sandboxd.socket")
+    assert machine.rpc(MEMBER, PING) == [PONG]  # fixed, and the socket started: served again
+
+
 def test_stop_leaves_no_container_and_the_journal_holds_json_lines_without_the_secret(
         machine: Machine, docker_api: Any) -> None:
     secret = f"sbd-secret-{uuid.uuid4().hex}"
     # A user tool that echoes its env token to stdout, stderr, progress and a thrown error;
     # with log_level debug (applied by a reload) the daemon logs the tool's stderr lines.
+    assert machine.rpc(MEMBER, call("hello", {"name": "first"}))[0]["result"]["status"] == "ok"  # makes the user's folder
     tools = DATA_PATH / A / "tools"
     machine.sh(f"install -d -m 0755 '{tools}' && cp -R /src/tests/e2e/hostile/secret_echo '{tools}/'"
                f" && chmod -R a+rX '{tools}'"
@@ -395,11 +439,17 @@ def test_stop_leaves_no_container_and_the_journal_holds_json_lines_without_the_s
     assert instance_containers(docker_api) == []  # removed before the daemon exited
     assert machine.sh(f"test -e {SOCKET}", check=False).returncode != 0  # RemoveOnStop=yes
 
-    lines = machine.daemon_lines()
-    assert len(lines) > 20
-    for line in lines:
-        event = json.loads(line)  # every line the daemon wrote is one JSON object
-        assert isinstance(event, dict) and {"event", "level", "timestamp"} <= event.keys(), line
+    by_pid: dict[str, list[str]] = {}
+    for entry in machine.daemon_output():
+        by_pid.setdefault(entry["_PID"], []).append(entry["MESSAGE"])
+    for pid, lines in by_pid.items():
+        if lines[0].startswith("sandboxd: invalid configuration"):
+            assert len(lines) == 1, lines  # a config that does not load: one plain line before logging starts
+            continue
+        for line in lines:  # every line a running daemon wrote is one JSON object
+            event = json.loads(line)
+            assert isinstance(event, dict) and {"event", "level", "timestamp"} <= event.keys(), line
+    assert sum(len(lines) > 1 for lines in by_pid.values()) >= 4  # the daemons of every test above
     everything = machine.sh("journalctl --no-pager -o export").stdout  # every field of every entry, every unit
     assert secret not in everything
     assert [e for e in machine.events("tool_stderr") if "token=***" in e["line"]]  # masked, not dropped

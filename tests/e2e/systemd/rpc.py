@@ -42,7 +42,10 @@ def answers(sock: socket.socket, wanted: set[Any]) -> list[dict[str, Any]]:
     reader = sock.makefile("rb")
     found = []
     while wanted:
-        line = reader.readline()
+        try:
+            line = reader.readline()
+        except ConnectionResetError:
+            line = b""  # the listening socket was closed with this connection in its queue
         if not line:
             found.append({"closed": True, "waiting_for": sorted(map(str, wanted))})
             break
