@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
-from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, flatten, needs_restart
+from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
@@ -24,6 +24,7 @@ from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallRunner, Calls, ConnectionCalls
 from sandboxd.server.connection import Connection
+from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Method
 from sandboxd.service import systemd
 from sandboxd.service.metrics import Metrics
@@ -314,30 +315,24 @@ class Server:
         self.apply_config(new)
         return True
 
+    def _use(self, config: Config) -> None:
+        """The one place a configuration reaches the owners that read it live."""
+        self.config = self.runner.config = config
+        self.pool.config = config.pool
+        self.peer_policy = PeerPolicy.from_config(config)
+
     def apply_config(self, new: Config) -> tuple[list[str], list[str]]:
         """Swap in ``new`` except the keys that need a restart; returns (applied, needing a restart).
 
         Runs on the event loop, between callbacks, so no call sees half a change: the
         pool and the runner read their config afresh at every decision.
         """
-        old_values, new_values = flatten(self.config), flatten(new)
-        changed = [key for key, value in new_values.items() if old_values.get(key) != value]
-        applied = [key for key in changed if not needs_restart(key)]
-        ignored = [key for key in changed if needs_restart(key)]
-        merged = new.model_dump()
-        for key in ignored:
-            *sections, leaf = key.split(".")
-            target = merged
-            for section in sections:
-                target = target[section]
-            target[leaf] = old_values[key]
-        effective = Config.model_validate(merged)
-        self.config = self.runner.config = effective
-        self.pool.config = effective.pool
-        self.peer_policy = PeerPolicy.from_config(effective)
+        change = config_change(self.config, new)
+        effective, applied, ignored = change.config, change.applied, change.needs_restart
+        self._use(effective)
         if "log_level" in applied:
             set_log_level(effective.log_level)
-        if any(key.startswith("sandbox.") for key in applied):
+        if change.touches("sandbox"):
             reconfigure = getattr(self.backend, "reconfigure", None)
             if reconfigure is not None:
                 reconfigure(effective.sandbox)

@@ -130,3 +130,18 @@ def test_a_bad_file_keeps_the_running_configuration(tmp_path: Path) -> None:
     failure = next(json.loads(line) for line in stream.getvalue().splitlines() if '"config_reload_failed"' in line)
     assert "pool.max_per_user" in failure["error"] and failure["level"] == "error"
 
+
+
+def test_a_config_change_keeps_restart_keys_as_they_run_and_says_which_applied(tmp_path: Path) -> None:
+    from sandboxd.server.reload import config_change
+
+    base = {"data_path": tmp_path, "socket": tmp_path / "s.sock", "backend": "fake"}
+    running = load_config(environ={}, overrides=base)
+    new = load_config(environ={}, overrides=base | {"socket": tmp_path / "other.sock", "pool": {"max_per_user": 9},
+                                                    "sandbox": {"memory": "300m"}})
+    change = config_change(running, new)
+    assert sorted(change.applied) == ["pool.max_per_user", "sandbox.memory"] and change.needs_restart == ["socket"]
+    assert change.config.socket == running.socket and change.config.pool.max_per_user == 9
+    assert change.touches("sandbox") and not change.touches("calls")
+    unchanged = config_change(running, running)
+    assert unchanged.config is running and unchanged.applied == unchanged.needs_restart == []
