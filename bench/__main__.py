@@ -32,7 +32,8 @@ from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
-            "attach", "overhead")
+            "density", "attach", "overhead")
+DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
 # Written by `python -m bench`. Defaults everywhere, except room for every benchmark user's sandboxes.
 pool:
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, help="seconds per throughput window (default 5; quick 2)")
     p.add_argument("--clients", default="1,4,16", help="concurrent clients of the throughput runs (default 1,4,16)")
     p.add_argument("--samples", type=int, help="cold calls, refills, returning users, fresh tools (default 5; quick 3)")
+    p.add_argument("--density", default=None,
+                   help="users each holding a warm sandbox, filled in turn (default 100,500; quick 50)")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="record the daemon with py-spy during the warm-latency run (needs `pip install py-spy`)")
@@ -56,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.calls = args.calls or (2000 if args.quick else 10000)
     args.duration = args.duration or (2.0 if args.quick else 5.0)
     args.samples = args.samples or (3 if args.quick else 5)
+    try:
+        args.density = sorted({int(x) for x in (args.density or ("50" if args.quick else "100,500")).split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--density takes numbers like 100,500, not {args.density!r}")
     try:
         args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
     except ValueError:
@@ -127,6 +134,8 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
             profiler = _start_profiler(daemon.pid, args.profile)
             out["warm"] = d.warm_latency(daemon, user("warm"), args.calls, warmup=500)
             _stop_profiler(profiler)
+            say(f"warm hello latency through sandboxd.client, requests encoded per call ({args.calls} sequential calls)")
+            out["plain_warm"] = d.plain_client_latency(daemon, user("warm"), args.calls, warmup=500)
         if "node" not in args.skip:
             say(f"warm hello latency through @sandboxd/client from Node ({args.calls} sequential calls)")
             out["node_warm"] = d.node_client_latency(daemon, user("warm"), args.calls, warmup=500)
@@ -177,6 +186,32 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
         out["daemon_exit_code"] = code
         out["containers_left_behind"] = len(leftovers)
     return out
+
+
+def run_density(root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A daemon of its own whose pool holds one warm sandbox for each of many users."""
+    # One sandbox per user (min_idle 0); the probe user's sandbox serves every measurement, so it is
+    # not recycled after max_calls_per_sandbox meanwhile (a replacement would start on a call's path).
+    config = (f"pool:\n  max_total: {max(args.density) + 8}\n  min_idle: 0\n  idle_ttl_s: 3600\n"
+              f"  max_calls_per_sandbox: 1000000\nsandbox:\n  image: {args.image}\n")
+    daemon = d.BenchDaemon(root, config, fresh_tools=0)
+    daemon.start()
+    from sandboxd.config import load_config
+
+    instance = instance_id(load_config(overrides={"socket": daemon.socket, "data_path": daemon.data}, environ={}))
+    try:
+        return d.density(daemon, run_id, args.density, DENSITY_CALLERS, min(args.calls, 5000))
+    except BaseException:
+        say(f"failed; the daemon's log ends with:\n{daemon.log_tail()}")
+        raise
+    finally:
+        daemon.stop(timeout=300)
+        for container in api_client().containers(all=True, filters={"label": f"org.sandboxd.instance={instance}"}):
+            api_client().remove_container(container["Id"], force=True)
+
+
+def api_client() -> Any:
+    return docker.APIClient(version="auto", timeout=120)
 
 
 def run_variant(root: Path, run_id: str, args: argparse.Namespace, config: str, tag: str) -> dict[str, Any]:
@@ -255,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             say("the same daemon over the attach transport (sandbox.transport: attach)")
             results["attach_transport"] = run_variant(
                 root / "attach", run_id, args, f"sandbox:\n  image: {args.image}\n  transport: attach\n", "attach")
+        if "density" not in args.skip:
+            say(f"density: {', '.join(map(str, args.density))} users each holding a warm sandbox "
+                f"({DENSITY_CALLERS} callers filling)")
+            results["density"] = run_density(root / "density", run_id, args)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

@@ -198,6 +198,23 @@ def warm_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dic
         conn.close()
 
 
+def plain_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dict[str, Any]:
+    """The same warm hello calls through sandboxd.client (each request encoded, each answer decoded, GC on):
+    what a plain Python client sees, not the pre-encoded bytes of warm_latency."""
+    from sandboxd.client import Client
+
+    with Client(daemon.socket, timeout=60) as client:
+        for _ in range(warmup):
+            client.call_tool(user, "hello", {"name": "World"})
+        daemon.settle()
+        samples = []
+        for _ in range(count):
+            started = time.perf_counter()
+            client.call_tool(user, "hello", {"name": "World"})
+            samples.append(time.perf_counter() - started)
+    return summarize(samples)
+
+
 def node_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dict[str, Any]:
     """The same warm hello calls through @sandboxd/client in Node: what a pi session (clients/pi) sees."""
     client = REPO / "clients" / "typescript" / "dist" / "index.js"
@@ -457,3 +474,87 @@ def refill_after_kill(daemon: BenchDaemon, api: Any, instance: str, user: str, b
         "max_queue_ms": max((w for w in waits if w is not None), default=None),
         "calls_that_waited": waited[:20],
     }
+
+
+# -- density -------------------------------------------------------------------------
+
+
+def _fill(daemon: BenchDaemon, users: list[str], callers: int) -> float:
+    """Each user's first call (one warm sandbox each), from ``callers`` threads; the seconds it took."""
+    import threading
+
+    queue = list(reversed(users))
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def caller() -> None:
+        conn = daemon.connect()
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    user = queue.pop()
+                line = _call(conn, daemon_call_line(user), 1)[1]
+                if b'"status":"ok"' not in line:
+                    failures.append(line[:300].decode(errors="replace"))
+        finally:
+            conn.close()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=caller) for _ in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} first calls failed while filling, e.g. {failures[0]}")
+    return time.perf_counter() - started
+
+
+def _request_latency(daemon: BenchDaemon, line: bytes, count: int) -> dict[str, Any]:
+    conn = daemon.connect()
+    try:
+        sequential_calls(conn, line, min(count, 20))
+        return summarize(sequential_calls(conn, line, count, first_id=100))
+    finally:
+        conn.close()
+
+
+def _wait_for_quiet(busy_pct: float = 20.0, limit_s: float = 30.0) -> float:
+    """Wait until the machine is less than ``busy_pct`` busy over half a second (at most ``limit_s``)."""
+    from bench.load import _machine_busy
+
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        busy0, total0 = _machine_busy()
+        time.sleep(0.5)
+        busy1, total1 = _machine_busy()
+        if 100 * (busy1 - busy0) / ((total1 - total0) or 1) < busy_pct:
+            break
+    return time.monotonic() - started
+
+
+def density(daemon: BenchDaemon, run_id: str, sizes: list[int], callers: int, calls: int) -> dict[str, Any]:
+    """Users each holding one warm sandbox (min_idle 0), filled up to each size in turn; at each size
+    one user's warm calls, sandbox/status and tools/list against the same with that user alone."""
+    probe = f"dense-probe-{run_id}@bench.example"
+    status = b'{"jsonrpc":"2.0","id":%d,"method":"sandbox/status"}\n'
+    listing = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"user":"' + probe.encode() + b'"}}\n'
+
+    def measure() -> dict[str, Any]:
+        daemon.settle(timeout=300)
+        quiet_s = _wait_for_quiet()  # dockerd and containerd work on for seconds after the last start
+        return {"quiet_after_s": quiet_s, "call": warm_latency(daemon, probe, calls, warmup=200),
+                "status": _request_latency(daemon, status, 200), "list": _request_latency(daemon, listing, 200),
+                "daemon_rss_mb": process_rss_mb(daemon.pid), "sandboxes": daemon.status()["pool"]["totals"]["idle"]}
+
+    out: dict[str, Any] = {"callers": callers, "alone": measure(), "sizes": []}
+    filled = 0
+    for size in sizes:
+        users = [f"dense{i}-{run_id}@bench.example" for i in range(filled, size)]
+        seconds = _fill(daemon, users, callers)
+        filled = size
+        row = {"users": size, "fill_s": seconds, "started_per_s": len(users) / seconds, **measure()}
+        out["sizes"].append(row)
+    return out

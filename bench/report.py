@@ -69,6 +69,14 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                     _x(ratio(warm.get("p99_ms"), attach.get("p99_ms"))), "≤ 2 ms", _check(warm.get("p99_ms", 1e9) <= 2.0)))
         out.append(("warm hello call, p99.9", _ms(warm.get("p999_ms")), f"raw attach echo {_ms(attach.get('p999_ms'))}",
                     _x(ratio(warm.get("p999_ms"), attach.get("p999_ms"))), "", "—"))
+        plain = d.get("plain_warm", {})
+        if plain:
+            x = ratio(plain.get("p50_ms"), attach.get("p50_ms"))
+            out.append(("… the same call through sandboxd.client (a plain client: encoded per call), p50",
+                        _ms(plain.get("p50_ms")), f"raw attach echo {_ms(attach.get('p50_ms'))}", _x(x), "≤ 2× floor",
+                        _check(x is not None and x <= 2)))
+            out.append(("… and its p99", _ms(plain.get("p99_ms")), f"raw attach echo {_ms(attach.get('p99_ms'))}",
+                        _x(ratio(plain.get("p99_ms"), attach.get("p99_ms"))), "", "—"))
         node_warm = d.get("node_warm", {})
         if node_warm:
             # What a pi session sees: the same calls through the TypeScript client (clients/pi uses it).
@@ -169,6 +177,24 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         floor = floor_tp.get(tp["clients"], {}).get("calls_per_s")
         out.append((f"… its throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"raw attach {floor:,.0f}/s" if floor else "", _x(ratio(tp["calls_per_s"], floor)), "", "—"))
+    dense = r.get("density", {})
+    alone = dense.get("alone", {})
+    for row in dense.get("sizes", []):
+        n, call, single = row["users"], row["call"], alone.get("call", {})
+        out.append((f"{n} users each holding a warm sandbox: filling, sandboxes started per second",
+                    f"{row['started_per_s']:.1f}/s", f"{dense['callers']} callers; the daemon's Docker calls on 16 threads",
+                    "", "", "—"))
+        for q in ("p50", "p99"):
+            x = ratio(call.get(f"{q}_ms"), single.get(f"{q}_ms"))
+            out.append((f"… a warm call at {n} users, {q}", _ms(call.get(f"{q}_ms")),
+                        f"the same call with its user alone {_ms(single.get(f'{q}_ms'))}", _x(x), "≤ 1.5× alone",
+                        _check(x is not None and x <= 1.5)))
+        for key, what in (("status", "`sandbox/status`"), ("list", "`tools/list`")):
+            out.append((f"… {what} at {n} users, p50", _ms(row[key].get("p50_ms")),
+                        f"with one user {_ms(alone.get(key, {}).get('p50_ms'))}",
+                        _x(ratio(row[key].get("p50_ms"), alone.get(key, {}).get("p50_ms"))), "", "—"))
+        out.append((f"… daemon memory at {n} users (VmRSS, {row['sandboxes']} sandboxes)", f"{row['daemon_rss_mb']:.1f} MB",
+                    f"with one user {alone.get('daemon_rss_mb', 0):.1f} MB", "", "", "—"))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
