@@ -56,23 +56,31 @@ function size(bytes: number): string {
 
 class FetchProblem extends Error {}
 
-// Every message along an error's cause chain: undici says "fetch failed" and puts
-// the reason (ECONNREFUSED, the egress proxy's refusal) in the causes.
-function reasons(e: unknown): string[] {
+// The messages along an error's cause chain, outermost first: undici says "fetch failed"
+// and puts the reason (ECONNREFUSED, the egress proxy's refusal) in the causes.
+function causes(e: unknown): string[] {
   const out: string[] = [];
   for (let cur = e, depth = 0; cur && depth < 6; depth += 1) {
     const message = cur instanceof Error ? cur.message : String(cur);
     const code = (cur as { code?: unknown }).code;
-    const text = typeof code === 'string' && !message.includes(code) ? `${message} (${code})` : message;
-    if (text && !out.some((seen) => seen.includes(text))) out.push(text); // a wrapper often repeats its cause
+    // ECONNREFUSED says more than "connect failed"; the shim's EGRESS_* codes say nothing its message does not.
+    out.push(typeof code === 'string' && !message.includes(code) && !code.startsWith('EGRESS_') ? `${message} (${code})` : message);
     cur = cur instanceof Error ? cur.cause : undefined;
   }
   return out;
 }
 
-function egressRefusal(e: unknown): string | undefined {
-  // The innermost such message is the proxy's own line, without "fetch failed: " before it.
-  return reasons(e).reverse().find((r) => r.includes("sandboxd's egress policy"));
+// The same, each said once: a wrapper often repeats its cause's message in its own.
+function reasons(e: unknown): string[] {
+  const out: string[] = [];
+  for (const text of causes(e)) if (text && !out.some((seen) => seen.includes(text))) out.push(text);
+  return out;
+}
+
+// What sandboxd's egress proxy said (refused by its policy, or failed: the name does not
+// resolve, say): the innermost such message is its own line, without "fetch failed: " before it.
+function egressLine(e: unknown): string | undefined {
+  return causes(e).reverse().find((r) => r.includes("sandboxd's egress policy") || r.startsWith('egress to '));
 }
 
 async function readCapped(res: Response, cap: number): Promise<{ bytes: Buffer; truncated: boolean }> {
@@ -461,8 +469,8 @@ async function fetchPage(params: Params, signal?: AbortSignal, onUpdate?: OnUpda
     if (signal?.aborted) return err(`web_fetch of ${start.href} was cancelled.`);
     if (timeout.aborted) return err(`web_fetch of ${start.href} timed out after ${timeoutS} s. Fix: try again, or pass a larger timeout_seconds (up to 300).`);
     if (e instanceof FetchProblem) return err(e.message);
-    const refusal = egressRefusal(e);
-    if (refusal) return err(`Could not fetch ${start.href}: ${refusal}`);
+    const said = egressLine(e);
+    if (said) return err(`Could not fetch ${start.href}: ${said}`);
     return err(`Could not fetch ${start.href}: ${reasons(e).join(': ')}.`);
   }
 

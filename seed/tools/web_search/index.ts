@@ -27,18 +27,31 @@ function err(text: string): ToolResult {
   return { content: [{ type: 'text', text }], isError: true };
 }
 
-// Every message along an error's cause chain: undici says "fetch failed" and puts
-// the reason (ECONNREFUSED, the egress proxy's refusal) in the causes.
-function reasons(e: unknown): string[] {
+// The messages along an error's cause chain, outermost first: undici says "fetch failed"
+// and puts the reason (ECONNREFUSED, the egress proxy's refusal) in the causes.
+function causes(e: unknown): string[] {
   const out: string[] = [];
   for (let cur = e, depth = 0; cur && depth < 6; depth += 1) {
     const message = cur instanceof Error ? cur.message : String(cur);
     const code = (cur as { code?: unknown }).code;
-    const text = typeof code === 'string' && !message.includes(code) ? `${message} (${code})` : message;
-    if (text && !out.some((seen) => seen.includes(text))) out.push(text); // a wrapper often repeats its cause
+    // ECONNREFUSED says more than "connect failed"; the shim's EGRESS_* codes say nothing its message does not.
+    out.push(typeof code === 'string' && !message.includes(code) && !code.startsWith('EGRESS_') ? `${message} (${code})` : message);
     cur = cur instanceof Error ? cur.cause : undefined;
   }
   return out;
+}
+
+// The same, each said once: a wrapper often repeats its cause's message in its own.
+function reasons(e: unknown): string[] {
+  const out: string[] = [];
+  for (const text of causes(e)) if (text && !out.some((seen) => seen.includes(text))) out.push(text);
+  return out;
+}
+
+// What sandboxd's egress proxy said (refused by its policy, or failed: the name does not
+// resolve, say): the innermost such message is its own line, without "fetch failed: " before it.
+function egressLine(e: unknown): string | undefined {
+  return causes(e).reverse().find((r) => r.includes("sandboxd's egress policy") || r.startsWith('egress to '));
 }
 
 async function readCapped(res: Response, cap: number): Promise<{ text: string; truncated: boolean }> {
@@ -127,10 +140,12 @@ async function search(params: Params, signal?: AbortSignal, onUpdate?: OnUpdate)
   } catch (e) {
     if (signal?.aborted) return err('web_search was cancelled.');
     if (timeout.aborted) return err(`${where} did not answer within ${TIMEOUT_S} s; try again later or tell the user search is slow.`);
-    const why = reasons(e);
-    const refusal = [...why].reverse().find((r) => r.includes("sandboxd's egress policy")); // the proxy's own line
-    if (refusal) return err(`Could not reach ${where}: ${refusal}. The operator must allow SearXNG's host and port in egress.allow.`);
-    return err(`Could not reach ${where}: ${why.join(': ')}. Check that SearXNG runs and PI_SEARXNG_URL points at it.`);
+    const said = egressLine(e);
+    if (said?.includes("sandboxd's egress policy")) {
+      return err(`Could not reach ${where}: ${said}. The operator must allow SearXNG's host and port in egress.allow.`);
+    }
+    if (said) return err(`Could not reach ${where}: ${said}. Check that SearXNG runs and PI_SEARXNG_URL points at it.`);
+    return err(`Could not reach ${where}: ${reasons(e).join(': ')}. Check that SearXNG runs and PI_SEARXNG_URL points at it.`);
   }
 
   // sandboxd's egress proxy answers a refused or failed plain-http request itself.
