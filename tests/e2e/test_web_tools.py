@@ -7,13 +7,14 @@ this test's own, on 127.0.0.1 (tests/web_site.py); nothing leaves the machine.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from sandboxd.client import Client
 
-from tests.web_site import RESULTS, Site, endless, page, redirect, searxng, serve
+from tests.web_site import RESULTS, Site, endless, page, redirect, searxng, serve, stall
 
 pytestmark = pytest.mark.docker
 
@@ -99,6 +100,24 @@ def test_web_fetch_stops_reading_an_endless_response_in_a_small_sandbox(make_dae
         with daemon.client() as client:
             got = ok(call(client, "web_fetch", {"url": site.base + "/endless", "timeout_seconds": 120}))
             assert "[web_fetch stopped reading after 5.0 MiB" in got and "all work and no play" in got, got[:500]
+
+
+def test_a_cancelled_web_fetch_lets_go_of_a_stalling_server_within_the_grace(make_daemon: Any) -> None:
+    # A tool that ignores its AbortSignal is killed after calls.cancel_grace_ms, and says so.
+    with serve() as site:
+        arrived, hung_up = threading.Event(), threading.Event()
+        site.routes["/stall"] = stall(arrived, hung_up)
+        daemon = make_daemon(allowing(site) + "calls:\n  cancel_grace_ms: 5000\n")
+        with daemon.client() as client:
+            client.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "user": A, "name": "web_fetch", "arguments": {"url": site.base + "/stall", "timeout_seconds": 300}}})
+            assert arrived.wait(60), "the page was never asked for"
+            client.cancel(1, "user pressed stop")
+            while "id" not in (reply := client.read_message()):
+                pass  # progress
+            result = reply["result"]
+            assert result["status"] == "cancelled" and "killed" not in text(result), result
+            assert hung_up.wait(10), "the sandbox kept the connection to the page open"
 
 
 def test_web_search_asks_a_searxng_compatible_endpoint(make_daemon: Any) -> None:
