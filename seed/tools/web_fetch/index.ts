@@ -108,8 +108,8 @@ async function readCapped(res: Response, cap: number): Promise<{ bytes: Buffer; 
 
 type Fetched = { res: Response; url: URL; chain: string[] };
 
-// Redirects are followed here, not by fetch, so each hop is a new request (which the
-// egress proxy checks again), a hop to another scheme is refused, and the chain is reported.
+// Redirects are followed here, not by fetch, so the hops are counted and named in the answer
+// and a hop to another scheme is refused; each is a new request the egress proxy checks again.
 async function fetchFollowing(start: URL, signal: AbortSignal): Promise<Fetched> {
   let url = start;
   const chain: string[] = [];
@@ -448,7 +448,7 @@ async function fetchPage(params: Params, signal?: AbortSignal, onUpdate?: OnUpda
       return err(`url ${JSON.stringify(params.url)} is not a URL. Fix: pass a full address such as https://example.com/page.`);
     }
     if (start.protocol !== 'http:' && start.protocol !== 'https:') {
-      return err(`url must be http:// or https://, got ${start.protocol}//… (${params.url}). web_fetch fetches web pages only; read local files with the file tools.`);
+      return err(`url must be http:// or https://, got ${start.protocol}//… (${params.url}). web_fetch fetches web pages only.`);
     }
     maxChars = wholeNumber('max_chars', params.max_chars, DEFAULT_MAX_CHARS, 1, MAX_MAX_CHARS);
     timeoutS = wholeNumber('timeout_seconds', params.timeout_seconds, 30, 1, 300);
