@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sandboxd.egress.policy import AllowEntry
 from sandboxd.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
@@ -43,12 +44,15 @@ DEFAULT_EMAIL_DB = "{data_path}/email/{user}/emails.db"
 LEGACY_EMAIL_DB = "{data_path}/{user}/emails.db"
 
 
-# The Docker network sandboxes join by default: a bridge the daemon creates with
-# inter-container traffic off, so one user's sandbox cannot reach another's ports.
-DEFAULT_NETWORK = "sandboxd"
+# Sandboxes have no network of their own (loopback only): their traffic leaves through the
+# daemon's egress proxy, which applies `egress` (egress/). BRIDGE_NETWORK is the bridge the
+# daemon makes for operators who accept direct routes (inter-container traffic off).
+DEFAULT_NETWORK = "none"
+BRIDGE_NETWORK = "sandboxd"
 
 # Settings that weaken the sandbox start only when `allow_unsafe` names them (docs/config.md).
-UnsafeName = Literal["host_network", "shared_network", "cap_add", "writable_root", "host_uid", "unsandboxed"]
+UnsafeName = Literal["host_network", "shared_network", "direct_network", "cap_add", "writable_root", "host_uid",
+                     "unsandboxed"]
 UNSAFE_NAMES: tuple[str, ...] = UnsafeName.__args__  # type: ignore[attr-defined]
 
 
@@ -108,7 +112,7 @@ class PoolConfig(_Section):
 
 class SandboxConfig(_Section):
     image: str = Field(RUNNER_IMAGE, description="Runner image (make image builds it).")
-    network: str = Field(DEFAULT_NETWORK, description=f"Docker network: {DEFAULT_NETWORK} (the daemon's own bridge, no traffic between sandboxes), none, or another network or mode (allow_unsafe).")
+    network: str = Field(DEFAULT_NETWORK, description=f"Docker network: none (the default: no route of its own; traffic goes through the egress proxy), {BRIDGE_NETWORK} (the daemon's own bridge: direct routes, no traffic between sandboxes), or another network or mode (allow_unsafe).")
     memory: str = Field("256m", description="Memory limit (docker syntax); swap is disabled.")
     cpus: float = Field(1.0, gt=0, description="CPU limit in cores.")
     pids_limit: int = Field(128, ge=8, description="Most processes and threads a sandbox may have.")
@@ -179,6 +183,33 @@ def parse_listen_address(value: str) -> tuple[str, int] | Path:
     return str(address), int(port_text)
 
 
+class EgressConfig(_Section):
+    policy: Literal["public", "allow-list", "none"] = Field(
+        "public", description="Where sandboxes may connect, through the daemon's proxy: public = the public internet "
+                              "(never loopback, private, link-local, metadata or the host's own addresses); "
+                              "allow-list = only what egress.allow names; none = nowhere.")
+    allow: list[str] = Field(default_factory=list, description="Destinations that pass even when private: host[:port], *.domain[:port], CIDR[:port] or [IPv6][:port]; without a port, the ports in egress.ports.")
+    ports: list[int] = Field(default_factory=lambda: [80, 443], description="Ports sandboxes may connect to (HTTP, and HTTPS via CONNECT).")
+    connect_timeout_ms: int = Field(10_000, gt=0, description="How long resolving a name and connecting to it may take.")
+    idle_timeout_s: float = Field(300.0, gt=0, description="An egress connection with no traffic either way for this long is closed.")
+    max_connections: int = Field(32, ge=1, description="Egress connections one sandbox may hold open at once.")
+
+    @field_validator("allow", mode="after")
+    @classmethod
+    def _entries(cls, value: list[str]) -> list[str]:
+        for item in value:
+            AllowEntry.parse(item)  # ValueError naming the entry
+        return value
+
+    @field_validator("ports", mode="after")
+    @classmethod
+    def _port_numbers(cls, value: list[int]) -> list[int]:
+        for port in value:
+            if not 0 < port < 65536:
+                raise ValueError(f"{port} is not a port (1-65535)")
+        return value
+
+
 class MetricsConfig(_Section):
     listen: str | None = Field(None, description="Where Prometheus metrics are served: HOST:PORT on loopback, or a unix socket path; null = off.")
 
@@ -215,7 +246,7 @@ class Config(_Section):
     allowed_uids: list[int] = Field(default_factory=list, description="Users (uid or name) whose connections are served, besides root and the daemon's own user; both lists empty = anyone who can open the socket.")
     allowed_gids: list[int] = Field(default_factory=list, description="Groups (gid or name) whose members' connections are served (primary or supplementary group).")
     backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend; process runs tools UNSANDBOXED (serve needs allow_unsafe: [unsandboxed]).")
-    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, cap_add, writable_root, host_uid, unsandboxed.")
+    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
@@ -223,6 +254,7 @@ class Config(_Section):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    egress: EgressConfig = Field(default_factory=EgressConfig)
 
     @field_validator("allowed_uids", mode="before")
     @classmethod
@@ -311,9 +343,13 @@ def unsafe_settings(config: Config) -> list[tuple[str, str]]:
     if network == "host" or network.startswith("container:"):
         add("host_network", f"sandbox.network {network!r} gives tools the network of the host (or of that "
                             "container), with every service listening on its loopback")
-    elif network not in (DEFAULT_NETWORK, "none"):
+    elif network == BRIDGE_NETWORK:
+        add("direct_network", f"sandbox.network {network!r} gives sandboxes a route of their own, around the egress "
+                              "policy (to the host, the private network, the metadata endpoint); the default 'none' "
+                              "sends all traffic through the egress proxy")
+    elif network != "none":
         add("shared_network", f"sandbox.network {network!r} lets sandboxes of different users (and other "
-                              f"containers) reach each other; the default {DEFAULT_NETWORK!r} does not")
+                              f"containers) reach each other, around the egress policy; the default 'none' does not")
     if sandbox.cap_add:
         add("cap_add", f"sandbox.cap_add [{', '.join(sandbox.cap_add)}] gives tools back capabilities every sandbox drops")
     if not sandbox.read_only_root:
@@ -461,7 +497,7 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
 # matches an entry exactly or by its section prefix; every other key needs a restart.
-LIVE_KEYS = ("pool.", "calls.", "sandbox.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids",
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids",
              "allow_unsafe")  # live with the sandbox settings it was checked against
 # Exceptions inside live sections: fixed when the backend is built.
 RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")

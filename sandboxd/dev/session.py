@@ -15,11 +15,13 @@ that reports on it says so.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 from sandboxd.config import Config, PoolConfig, email_db_path
+from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
 from sandboxd.sandbox.pool import Pool
@@ -169,7 +171,9 @@ class DevSession:
                  on_tool_output: Callable[[str], None]) -> None:
         self.config = config
         self.choice = choice
-        self.spec = spec
+        # The daemon's egress policy applies in development too: a tool sees the network it will get.
+        self.egress = EgressProxy(config.egress)
+        self.spec = spec = dataclasses.replace(spec, egress=self.egress)
         self.backend = _StreamingBackend(choice.backend, on_tool_output)
         pool_config = PoolConfig(
             max_per_user=1, max_total=1,
@@ -214,3 +218,4 @@ class DevSession:
     async def close(self) -> None:
         await self.pool.close(grace=0.0)
         await self.backend.close()
+        self.egress.close()

@@ -9,6 +9,7 @@ tests run in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -18,6 +19,25 @@ if TYPE_CHECKING:
     from sandboxd.tools.transpile_cache import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
+# What a sandbox is doing, for the egress log: the running tool (None when idle) and the
+# secrets its output is masked against.
+EgressContext = Callable[[], "tuple[str | None, frozenset[str]]"]
+
+
+class EgressSession(Protocol):
+    """One sandbox's way out (egress/proxy.py): the backend hands it each connection from the sandbox."""
+
+    async def handle(self, conn: socket.socket) -> None:
+        """Serve one connection the sandbox made (the backend checked who made it); never raises."""
+        ...
+
+    def close(self) -> None:
+        """End every connection: the sandbox is gone."""
+        ...
+
+
+class Egress(Protocol):
+    def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession: ...
 
 # Where TOOLS.md says things live inside a sandbox.
 CONTAINER_TOOLS = "/officer/tools"
@@ -50,6 +70,9 @@ class SandboxSpec:
     root: Path | None = None
     # The global tools transpiled on the host (tools/transpile_cache.py), mounted read-only; None: none yet.
     transpile_cache: Path | None = None
+    # The proxy a sandbox's traffic leaves through (it has no network of its own); None: no
+    # way out is offered (a backend that cannot mount a socket into the sandbox offers none).
+    egress: Egress | None = None
 
 
 @dataclass(frozen=True)
@@ -70,8 +93,10 @@ class CallRequest:
     arguments: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     max_result_bytes: int = 1 << 20
-    # Not sent: the budget the sandbox is held to from this call on (until the next one).
+    # Not sent: the budget the sandbox is held to from this call on (until the next one),
+    # and the tool's name for what the sandbox logs meanwhile (egress).
     output_limits: OutputLimits = OutputLimits()
+    tool: str = ""
 
     def to_params(self) -> dict[str, Any]:
         return {

@@ -32,7 +32,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import LogConfig, Mount, Ulimit
 
-from sandboxd.config import AUTO_SANDBOX_ID, DEFAULT_NETWORK, SandboxConfig
+from sandboxd.config import AUTO_SANDBOX_ID, BRIDGE_NETWORK, SandboxConfig
 from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import (
@@ -41,6 +41,7 @@ from sandboxd.sandbox.backend import (
     CONTAINER_TOOLS,
     CONTAINER_USER,
     CONTAINER_USER_TOOLS,
+    EgressSession,
     SandboxSpec,
     container_entry_path,
 )
@@ -60,6 +61,7 @@ _FRAME = struct.Struct(">BxxxL")
 CONTAINER_SHIM_DIR = "/officer/run"
 EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit
 SHIM_SOCKET_NAME = "shim.sock"
+EGRESS_SOCKET_NAME = "egress.sock"
 # Docker drops traffic between two containers on a bridge with this option "false".
 ICC_OPTION = "com.docker.network.bridge.enable_icc"
 
@@ -106,35 +108,50 @@ def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
 
 
 class _ShimListener:
-    """The socket one sandbox's shim connects to, in a directory only that sandbox mounts.
+    """The sockets of one sandbox, in a directory only that sandbox mounts.
 
     The parent directory is the daemon's own (0700), so on the host only root and the
-    daemon's user can reach the socket; inside the sandbox only the shim connects,
-    before any tool code runs, and the listener is gone after that one connection.
-    That connection must come from the sandbox's uid (SO_PEERCRED), or the start fails.
+    daemon's user can reach them. ``shim.sock``: the shim connects once, before any tool
+    code runs, and the listener is gone after that one connection, which must come from
+    the sandbox's uid (SO_PEERCRED), or the start fails. ``egress.sock`` (when the sandbox
+    has a way out) stays for the sandbox's life: its proxy (egress/proxy.py).
     """
 
-    def __init__(self, parent: Path, instance: str, uid: int) -> None:
+    def __init__(self, parent: Path, instance: str, uid: int, *, egress: bool = False) -> None:
         self.uid = uid
         self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
         self.dir.mkdir(mode=0o755)
         os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock: socket.socket | None = None
+        self.egress: socket.socket | None = None
+        try:
+            self.sock = self._bind(SHIM_SOCKET_NAME, backlog=1)
+            if egress:
+                self.egress = self._bind(EGRESS_SOCKET_NAME, backlog=64)
+        except BaseException:
+            self.close()
+            self.remove()
+            raise
+
+    def _bind(self, name: str, backlog: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Through the directory's fd: a socket path longer than 108 bytes still binds.
             dir_fd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY)
             try:
-                self.sock.bind(f"/proc/self/fd/{dir_fd}/{SHIM_SOCKET_NAME}")
+                sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
             finally:
                 os.close(dir_fd)
-            os.chmod(self.dir / SHIM_SOCKET_NAME, 0o666)  # the sandbox's uid may differ from ours
-            self.sock.listen(1)
-            self.sock.setblocking(False)
+            os.chmod(self.dir / name, 0o666)  # the sandbox's uid may differ from ours
+            sock.listen(backlog)
+            sock.setblocking(False)
         except BaseException:
-            self.close()
+            sock.close()
             raise
+        return sock
 
     async def accept(self) -> socket.socket:
+        assert self.sock is not None
         conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
         peer = peer_credentials(conn)
         if peer.uid != self.uid:
@@ -146,8 +163,21 @@ class _ShimListener:
         return conn
 
     def close(self) -> None:
-        """Stop listening and remove the socket and its directory (the sandbox keeps its open connection)."""
-        self.sock.close()
+        """Stop listening for the shim and remove its socket (the sandbox keeps its open connection)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            try:
+                os.unlink(self.dir / SHIM_SOCKET_NAME)
+            except OSError:
+                pass
+        if self.egress is None:
+            self.remove()
+
+    def remove(self) -> None:
+        """Remove the directory and what is left in it (the sandbox is gone)."""
+        if self.egress is not None:
+            self.egress.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -198,6 +228,23 @@ class _AttachProtocol(asyncio.Protocol):
         self._sandbox.transport_closed()
 
 
+async def _accept_egress(sock: socket.socket, uid: int, session: EgressSession, sandbox_id: str) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(sock)
+        except OSError as exc:  # out of fds, say: the sandbox's way out stops, the daemon goes on
+            log.warning("egress_accept_failed", sandbox=sandbox_id, error=str(exc))
+            await asyncio.sleep(1)
+            continue
+        peer = peer_credentials(conn)
+        if peer.uid != uid:  # only the sandbox mounts the directory; anyone else is refused
+            log.warning("egress_foreign_peer", sandbox=sandbox_id, pid=peer.pid, uid=peer.uid)
+            conn.close()
+            continue
+        loop.create_task(session.handle(conn))
+
+
 def _set_reading(transport: asyncio.Transport | None, on: bool) -> None:
     if transport is None or transport.is_closing() or transport.is_reading() == on:
         return
@@ -216,6 +263,28 @@ class DockerSandbox(ShimSandbox):
         self.shim_transport: asyncio.Transport | None = None  # the shim's socket (socket mode)
         self.attach: Any = None
         self.attach_ended = asyncio.Event()  # the container's output ended: it exited
+        self._sockets: _ShimListener | None = None  # its socket directory, kept while egress is served
+        self._egress: EgressSession | None = None
+        self._egress_accept: asyncio.Task[None] | None = None
+
+    def serve_egress(self, sockets: _ShimListener, session: EgressSession) -> None:
+        """Hand each connection to ``egress.sock`` to the proxy's session for this sandbox."""
+        assert sockets.egress is not None
+        self._sockets, self._egress = sockets, session
+        self._egress_accept = asyncio.get_running_loop().create_task(
+            _accept_egress(sockets.egress, sockets.uid, session, self.id))
+
+    def close_egress(self) -> None:
+        """End the sandbox's way out: no new connections, the open ones closed, the socket removed."""
+        if self._egress_accept is not None:
+            self._egress_accept.cancel()
+            self._egress_accept = None
+        if self._egress is not None:
+            self._egress.close()
+            self._egress = None
+        if self._sockets is not None:
+            self._sockets.remove()
+            self._sockets = None
 
     def _write(self, data: bytes) -> None:
         transport = self.shim_transport or self.transport
@@ -360,12 +429,20 @@ class DockerBackend:
                 problem = await self._shim_transport_problem()
                 if problem is not None:
                     raise BackendUnavailable(problem)
-            listener = _ShimListener(self.shim_dir(), self.instance, uid=int(self.user.split(":")[0]))
+            listener = _ShimListener(self.shim_dir(), self.instance, uid=int(self.user.split(":")[0]),
+                                     egress=spec.egress is not None)
         try:
-            return await self._start(spec, listener)
+            sandbox = await self._start(spec, listener)
+        except BaseException:
+            if listener is not None:
+                listener.remove()
+            raise
         finally:
             if listener is not None:
                 listener.close()
+        if listener is not None and listener.egress is not None and spec.egress is not None:
+            sandbox.serve_egress(listener, spec.egress.session(spec.user, sandbox.id, sandbox.egress_context))
+        return sandbox
 
     async def _start(self, spec: SandboxSpec, listener: _ShimListener | None) -> DockerSandbox:
         # The create runs on in its thread even if we are cancelled: wait for it and
@@ -428,6 +505,7 @@ class DockerBackend:
         sandbox.shim_transport, _ = await loop.create_connection(lambda: _ShimSocketProtocol(sandbox), sock=conn)
 
     async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
+        sandbox.close_egress()
         sandbox.drain()
         sandbox.channel.shutdown()
         sandbox.close_transports()
@@ -549,6 +627,8 @@ class DockerBackend:
         if shim_dir is not None:
             mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
             environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
+            if spec.egress is not None:  # the shim routes fetch, http(s) and child processes through it
+                environment["SANDBOXD_EGRESS_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{EGRESS_SOCKET_NAME}"
         host_config = self.api().create_host_config(
             mounts=mounts,
             tmpfs=tmpfs,
@@ -594,7 +674,7 @@ class DockerBackend:
         return container["Id"]
 
     def _network(self) -> str:
-        """The network a new sandbox joins; the default one is made on first use.
+        """The network a new sandbox joins: none by default; the daemon's bridge is made on first use.
 
         One network for every daemon on this engine (labelled, never removed): with
         inter-container traffic off, sandboxes on it reach neither each other nor other
@@ -602,7 +682,7 @@ class DockerBackend:
         few ms), so a network removed while the daemon runs is made again.
         """
         name = self.config.network
-        if name != DEFAULT_NETWORK:
+        if name != BRIDGE_NETWORK:
             return name
         api = self.api()
         try:

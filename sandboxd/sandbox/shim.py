@@ -205,6 +205,11 @@ class ShimSandbox:
         self._output_paused = False  # the bucket is empty
         self._client_paused = False  # the running call's client reads no more
         self._refill: asyncio.TimerHandle | None = None
+        self._running_tool: str | None = None
+
+    def egress_context(self) -> tuple[str | None, frozenset[str]]:
+        """The tool running now (None when idle) and every secret to mask: for the egress log."""
+        return self._running_tool, self._secrets
 
     @property
     def alive(self) -> bool:
@@ -217,7 +222,13 @@ class ShimSandbox:
         # The caller's redaction context (CallRunner's secret_values) names this call's secrets.
         if len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
             self._secrets |= current_secrets()
-        return self.channel.call(request, on_progress)
+        future = self.channel.call(request, on_progress)
+        self._running_tool = request.tool or None
+        future.add_done_callback(self._call_ended)
+        return future
+
+    def _call_ended(self, _future: asyncio.Future[dict[str, Any]]) -> None:
+        self._running_tool = None
 
     def cancel(self, reason: str) -> None:
         self.channel.cancel(reason)

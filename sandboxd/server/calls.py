@@ -327,6 +327,7 @@ class CallRunner:
                 env=call.env,
                 max_result_bytes=calls.max_result_bytes,
                 output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
+                tool=call.tool.name,
             )
             assert pooled.sandbox is not None
             progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)

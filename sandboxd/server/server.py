@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
 from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
+from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import get_logger, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
@@ -90,6 +91,8 @@ class Server:
         self.orphans_reaped = 0
         self._data_lock: int | None = None  # the fd holding DATA_PATH_LOCK
         self.peer_policy = PeerPolicy.from_config(config)
+        # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
+        self.egress = EgressProxy(config.egress)
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
@@ -103,6 +106,7 @@ class Server:
             user_tools_dir=user_tools_dir(data, user),
             email_db=email_db_path(self.config, user),
             root=data,
+            egress=self.egress,
             transpile_cache=self.transpile_cache.directory,
         )
 
@@ -332,6 +336,8 @@ class Server:
         self._use(effective)
         if "log_level" in applied:
             set_log_level(effective.log_level)
+        if any(key.startswith("egress.") for key in applied):
+            self.egress.reconfigure(effective.egress)  # from the next request on; open tunnels stay
         if change.touches("sandbox"):
             reconfigure = getattr(self.backend, "reconfigure", None)
             if reconfigure is not None:
@@ -374,6 +380,7 @@ class Server:
             if conn.transport is not None:
                 conn.transport.close()
         await self.backend.close()
+        self.egress.close()
         self.catalog.close()  # a scan still running in a worker is not waited for
         self.transpile_cache.stop()
         if self._data_lock is not None:

@@ -66,6 +66,11 @@ class _ServerCollector:
             ("sandboxd_sandboxes_destroyed", "destroyed", "Sandboxes removed for any reason, recycling included."),
         ):
             yield CounterMetricFamily(name, help_text, value=counters.get(key, 0))
+        egress = CounterMetricFamily("sandboxd_egress_requests", "Egress requests from sandboxes, by decision "
+                                     "(allowed, refused, failed) and reason.", labels=["decision", "reason"])
+        for (decision, reason), count in sorted(server.egress.decisions.items()):
+            egress.add_metric([decision, reason], count)
+        yield egress
         yield CounterMetricFamily("sandboxd_orphans_reaped", "Containers left by an earlier run, removed at start-up.",
                                   value=server.orphans_reaped)
         info = GaugeMetricFamily("sandboxd_build_info", "Always 1; the labels say what runs.", labels=["version", "backend"])

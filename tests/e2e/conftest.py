@@ -73,9 +73,10 @@ class Daemon:
         self.data.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(config)
         # Only what the test says: a SANDBOXD_* of the machine (SANDBOXD_BACKEND=process, say)
-        # would otherwise change what every test runs against. Test sandboxes get no network.
+        # would otherwise change what every test runs against. Sandboxes get the default: no
+        # network of their own, the egress proxy (which tests only ever point at 127.0.0.1).
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOXD_")}
-        self.env = {**inherited, "SANDBOXD_SANDBOX_NETWORK": "none", **(env or {})}
+        self.env = {**inherited, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         shutil.copytree(TOOL_FIXTURES, self.data / "tools", dirs_exist_ok=True)
 

@@ -397,11 +397,17 @@ def test_the_shim_socket_is_gone_once_the_shim_connected(make_daemon: Any, docke
         while client.request("sandbox/status")["pool"]["totals"]["idle"] < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
     assert shims.stat().st_mode & 0o777 == 0o700  # on the host, only the daemon's user gets in
-    assert list(shims.iterdir()) == []  # an earlier run's leftovers, and each sandbox's socket once used
-    for container in daemon.containers(docker_api):
+    # An earlier run's leftovers are gone, and each sandbox's shim socket once used: only the
+    # egress proxy's socket stays, one directory per running sandbox.
+    containers = daemon.containers(docker_api)
+    assert len(list(shims.iterdir())) == len(containers) == 2
+    assert all([p.name for p in d.iterdir()] == ["egress.sock"] for d in shims.iterdir())
+    for container in containers:
         listing = subprocess.run(["docker", "exec", container["Id"], "ls", "-A", "/officer/run"],
                                  capture_output=True, text=True, timeout=30)
-        assert listing.returncode == 0 and listing.stdout == "", listing  # nothing left to connect to
+        assert listing.returncode == 0 and listing.stdout == "egress.sock\n", listing  # no shim socket to take
+    daemon.stop()
+    assert list(shims.iterdir()) == []  # each removed with its sandbox
 
 
 def test_socket_transport_with_a_remote_engine_is_refused_at_start_up(make_daemon: Any) -> None:

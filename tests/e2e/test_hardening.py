@@ -57,6 +57,13 @@ def test_limits(inspected: dict[str, Any]) -> None:
     assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {("core", 0, 0), ("nofile", 4096, 4096)}
 
 
+def test_no_network_of_its_own(inspected: dict[str, Any]) -> None:
+    """The default: no route out but the egress socket (test_egress.py shows what goes through it)."""
+    assert inspected["HostConfig"]["NetworkMode"] == "none"
+    assert inspected["Config"].get("NetworkDisabled") is True
+    assert "SANDBOXD_EGRESS_SOCKET=/officer/run/egress.sock" in inspected["Config"]["Env"]
+
+
 def test_init_ipc_log_and_scratch_space(inspected: dict[str, Any]) -> None:
     host = inspected["HostConfig"]
     assert host["Init"] is True

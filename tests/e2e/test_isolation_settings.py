@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sandboxd.config import DEFAULT_NETWORK
+from sandboxd.config import BRIDGE_NETWORK
 
 from tests.e2e.conftest import REPO, Daemon, write_tool
 from tests.e2e.hostile_harness import call, text_of, wait_until
@@ -113,18 +113,20 @@ export async function execute() {
 
 def test_a_shim_socket_serves_only_its_own_shim(make_daemon: Any) -> None:
     """A tool that connects to its sandbox's shim socket as a second client finds nothing
-    listening: the socket served the shim's one connection and is gone."""
+    listening: the socket served the shim's one connection and is gone (the egress proxy's
+    socket beside it stays: test_egress.py)."""
     daemon = make_daemon(start=False, config="pool:\n  min_idle: 0\n  max_per_user: 1\n")
     write_tool(daemon.data / "tools", "shim_knocker", SHIM_KNOCKER)
     daemon.start()
     with daemon.client() as client:
         for user in (ALICE, BOB):
             report = json.loads(text_of(call(client, user, "shim_knocker")))
-            assert report == {"listing": [], "outcome": "ENOENT"}, report
+            assert report == {"listing": ["egress.sock"], "outcome": "ENOENT"}, report  # egress: its way out
     shims = daemon.socket.parent / f"{daemon.socket.name}.shims"
     info = shims.lstat()
     assert (info.st_uid, info.st_mode & 0o777) == (os.geteuid(), 0o700)
-    assert os.listdir(shims) == []  # two sandboxes run, and no socket of theirs is left to connect to
+    # Two sandboxes run, and no shim socket of theirs is left to connect to: only their egress sockets.
+    assert [os.listdir(shims / d) for d in os.listdir(shims)] == [["egress.sock"], ["egress.sock"]]
 
 
 # --- dangerous settings ------------------------------------------------------------------------
@@ -133,7 +135,6 @@ HOST_ACCOUNT = next(p for p in pwd.getpwall() if p.pw_uid not in (0, os.geteuid(
 
 
 @pytest.mark.parametrize(("config", "env", "name"), [
-    # The harness sets SANDBOXD_SANDBOX_NETWORK=none for every daemon: the network cases override it there.
     ("", {"SANDBOXD_SANDBOX_NETWORK": "host"}, "host_network"),
     ("", {"SANDBOXD_SANDBOX_NETWORK": "bridge"}, "shared_network"),
     ("sandbox:\n  cap_add: [SYS_ADMIN]\n", {}, "cap_add"),
@@ -287,10 +288,12 @@ def knock(daemon: Daemon, docker_api: Any, network: str) -> tuple[str, dict[str,
 
 
 def test_sandboxes_of_two_users_cannot_reach_each_other(make_daemon: Any, docker_api: Any) -> None:
-    daemon = network_daemon(make_daemon, DEFAULT_NETWORK)
-    reached, listener = knock(daemon, docker_api, DEFAULT_NETWORK)
+    """On the daemon's bridge (direct routes, for operators who accept them): no traffic between sandboxes.
+    (On the default network `none` there is no address to knock on at all.)"""
+    daemon = network_daemon(make_daemon, BRIDGE_NETWORK, config="allow_unsafe: [direct_network]\n")
+    reached, listener = knock(daemon, docker_api, BRIDGE_NETWORK)
     assert reached == "timeout" and listener == {"strangers": 0}, (reached, listener)
-    network = docker_api.api.inspect_network(DEFAULT_NETWORK)
+    network = docker_api.api.inspect_network(BRIDGE_NETWORK)
     assert network["Options"]["com.docker.network.bridge.enable_icc"] == "false"
     assert network["Labels"]["org.sandboxd.managed"] == "1"
 

@@ -13,7 +13,7 @@ import docker.errors
 import pytest
 
 from sandboxd.cli.main import main
-from sandboxd.config import DEFAULT_NETWORK, UNSAFE_NAMES, Config, SandboxConfig, check_unsandboxed, load_config
+from sandboxd.config import BRIDGE_NETWORK, DEFAULT_NETWORK, UNSAFE_NAMES, Config, SandboxConfig, check_unsandboxed, load_config
 from sandboxd.errors import BackendUnavailable, ConfigError
 from sandboxd.sandbox.docker_backend import ICC_OPTION, LABEL_MANAGED, DockerBackend
 from sandboxd.unixsocket import bind_unix_socket, secure_directory
@@ -217,19 +217,19 @@ class FakeNetworks:
         self.created.append(kwargs)
 
 
-def backend_on(api: FakeNetworks, network: str = DEFAULT_NETWORK) -> DockerBackend:
+def backend_on(api: FakeNetworks, network: str = BRIDGE_NETWORK) -> DockerBackend:
     backend = DockerBackend(SandboxConfig(network=network), instance="test", max_line_bytes=1 << 20)
     backend._api = api  # type: ignore[assignment]
     return backend
 
 
-def test_the_default_network_is_made_with_inter_container_traffic_off() -> None:
+def test_the_daemons_bridge_is_made_with_inter_container_traffic_off() -> None:
     api = FakeNetworks()
-    assert backend_on(api)._network() == DEFAULT_NETWORK
+    assert backend_on(api)._network() == BRIDGE_NETWORK
     assert api.created == [{"driver": "bridge", "options": {ICC_OPTION: "false"}, "labels": {LABEL_MANAGED: "1"},
                             "check_duplicate": True}]
-    assert backend_on(api)._network() == DEFAULT_NETWORK and len(api.created) == 1  # made once, then found
-    assert backend_on(FakeNetworks(race=True))._network() == DEFAULT_NETWORK  # made by another daemon meanwhile
+    assert backend_on(api)._network() == BRIDGE_NETWORK and len(api.created) == 1  # made once, then found
+    assert backend_on(FakeNetworks(race=True))._network() == BRIDGE_NETWORK  # made by another daemon meanwhile
 
 
 @pytest.mark.parametrize("network", [
@@ -238,7 +238,7 @@ def test_the_default_network_is_made_with_inter_container_traffic_off() -> None:
     {"Labels": {LABEL_MANAGED: "1"}, "Options": {ICC_OPTION: "true"}},
 ])
 def test_a_network_of_that_name_that_lets_containers_talk_is_refused(network: dict[str, Any]) -> None:
-    api = FakeNetworks({DEFAULT_NETWORK: network})
+    api = FakeNetworks({BRIDGE_NETWORK: network})
     with pytest.raises(BackendUnavailable, match=r"remove it \(docker network rm sandboxd\)"):
         backend_on(api)._network()
 

@@ -1,0 +1,140 @@
+"""The network boundary, end to end: a real daemon, real sandboxes, a server on 127.0.0.1.
+
+Sandboxes have no route of their own; the egress proxy is their only way out. Nothing
+here leaves the machine: every destination is an IP literal or `localhost`, the only
+server reached is one this test starts on 127.0.0.1, and private addresses (10.0.0.5)
+are refused by the policy before any connect. The raw-socket tests speak the proxy's
+protocol directly; the fetch/http/python tests go through what the shim installs.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from typing import Any, Iterator
+
+import pytest
+
+from tests.e2e.conftest import Daemon
+
+pytestmark = pytest.mark.docker
+
+USER = "egress@example.com"
+PRIVATE = "10.0.0.5"  # refused by class: never connected to
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        self.server.paths.append(self.path)
+        if self.path.startswith("/redirect-private"):
+            self.send_response(302)
+            self.send_header("Location", f"http://{PRIVATE}/internal")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = b"hello through the proxy"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    paths: list[str]
+    connections: int
+
+    def get_request(self) -> Any:
+        self.connections += 1
+        return super().get_request()
+
+
+@pytest.fixture
+def web() -> Iterator[_Server]:
+    server = _Server(("127.0.0.1", 0), _Handler)
+    server.paths, server.connections = [], 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def probe(daemon: Daemon, mode: str, **arguments: Any) -> dict[str, Any]:
+    with daemon.client() as client:
+        result = client.call_tool(USER, "egress_probe", {"mode": mode, **arguments}, timeout_ms=60_000)
+    assert result["status"] == "ok", result
+    return json.loads(result["content"][0]["text"])
+
+
+def allowing(make_daemon: Any, web: _Server, **env: str) -> Daemon:
+    port = web.server_address[1]
+    return make_daemon(env={"SANDBOXD_EGRESS_ALLOW": f'["127.0.0.1:{port}"]', **env})
+
+
+# --- no route of its own --------------------------------------------------------------------
+
+def test_a_sandbox_has_no_route_and_no_interface_but_loopback(make_daemon: Any) -> None:
+    seen = probe(make_daemon(), "routes")
+    interfaces = {line.split(":")[0].strip() for line in seen["dev"].splitlines()[2:]}
+    assert interfaces == {"lo"}, seen["dev"]
+    assert seen["route"].splitlines()[1:] == [], seen["route"]  # IPv4: not even a link route
+    for line in seen["ipv6_route"].splitlines():  # IPv6: loopback's own entries, no usable default
+        fields = line.split()
+        assert fields[-1] == "lo", line
+        if fields[0] == "0" * 32 and fields[1] == "00":  # ::/0 exists only as the kernel's reject entry
+            assert int(fields[8], 16) & 0x0200, f"a default route that is not RTF_REJECT: {line}"
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "2001:db8::1"])  # documentation ranges: nothing there anyway
+def test_a_direct_connect_fails_at_once_with_no_route(make_daemon: Any, host: str) -> None:
+    seen = probe(make_daemon(), "direct", host=host, port=80)
+    assert seen.get("code") == "ENETUNREACH" and seen["ms"] < 5_000, seen
+
+
+# --- the proxy, spoken directly -------------------------------------------------------------
+
+def test_the_hosts_loopback_is_refused_by_default(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    daemon = make_daemon()
+    seen = probe(daemon, "raw", request=f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n")
+    head, _, body = seen["answer"].partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 403") and "X-Sandboxd-Egress: refused" in head, seen
+    assert body.strip() == (f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: loopback address; "
+                            "the operator can allow it with egress.allow")
+    assert web.connections == 0
+    event = daemon.events("egress", decision="refused")[-1]
+    assert event["user"] == USER and event["tool"] == "egress_probe" and event["port"] == port
+    assert event["reason"] == "loopback address"
+
+
+def test_private_and_metadata_addresses_are_refused_before_any_connect(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    for target, reason in ((f"{PRIVATE}:80", "private address (RFC 1918)"),
+                           ("169.254.169.254:80", "the cloud metadata endpoint"),
+                           ("[fd00::1]:443", "unique local address (IPv6 ULA)")):
+        seen = probe(daemon, "raw", request=f"CONNECT {target} HTTP/1.1\r\n\r\n")
+        assert f"refused by sandboxd's egress policy: {reason}" in seen["answer"], seen
+    assert {e["reason"] for e in daemon.events("egress", decision="refused")} >= {
+        "private address (RFC 1918)", "the cloud metadata endpoint", "unique local address (IPv6 ULA)"}
+
+
+def test_a_listed_local_server_is_reached_through_the_socket(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    seen = probe(allowing(make_daemon, web), "raw",
+                 request=f"GET http://127.0.0.1:{port}/page HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n")
+    assert seen["answer"].startswith("HTTP/1.0 200") and seen["answer"].endswith("hello through the proxy"), seen
+    assert web.paths == ["/page"]
+
+
+def test_policy_none_refuses_even_what_egress_allow_names(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    daemon = allowing(make_daemon, web, SANDBOXD_EGRESS_POLICY="none")
+    seen = probe(daemon, "raw", request=f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n")
+    assert "egress.policy is none" in seen["answer"] and web.connections == 0, seen

@@ -1,0 +1,89 @@
+import { execFile } from "node:child_process";
+import { readFileSync } from "node:fs";
+import * as http from "node:http";
+import * as net from "node:net";
+
+type Params = { mode: string; url?: string; request?: string; host?: string; port?: number };
+
+const EGRESS_SOCKET = "/officer/run/egress.sock";
+
+function report(value: unknown) {
+  return { content: [{ type: "text" as const, text: JSON.stringify(value) }], details: value };
+}
+
+function describe(error: any): Record<string, unknown> {
+  return { error: String(error?.message ?? error), code: error?.code, cause: error?.cause ? String(error.cause.message ?? error.cause) : undefined };
+}
+
+function raw(request: string): Promise<unknown> {
+  return new Promise((resolve) => {
+    const chunks: Buffer[] = [];
+    const sock = net.connect({ path: EGRESS_SOCKET });
+    sock.on("connect", () => sock.write(request));
+    sock.on("data", (d) => chunks.push(d));
+    sock.on("error", (e) => resolve(describe(e)));
+    sock.on("close", () => resolve({ answer: Buffer.concat(chunks).toString("utf8") }));
+    setTimeout(() => { sock.destroy(); resolve({ answer: Buffer.concat(chunks).toString("utf8"), timeout: true }); }, 15000);
+  });
+}
+
+function viaHttp(url: string): Promise<unknown> {
+  return new Promise((resolve) => {
+    const req = http.get(url, (res) => {
+      let body = "";
+      res.on("data", (d) => (body += d));
+      res.on("end", () => resolve({ status: res.statusCode, body }));
+    });
+    req.on("error", (e) => resolve(describe(e)));
+    req.setTimeout(15000, () => req.destroy(new Error("timed out")));
+  });
+}
+
+function viaPython(url: string): Promise<unknown> {
+  const script = "import sys, urllib.request\n" +
+    "try:\n  print(urllib.request.urlopen(sys.argv[1], timeout=15).read().decode())\n" +
+    "except Exception as e:\n  print('ERROR', e)\n";
+  return new Promise((resolve) => {
+    execFile("python3", ["-c", script, url], { timeout: 20000 }, (error, stdout, stderr) =>
+      resolve({ stdout: String(stdout).trim(), stderr: String(stderr).trim(), error: error ? String(error.message) : undefined }));
+  });
+}
+
+function direct(host: string, port: number): Promise<unknown> {
+  return new Promise((resolve) => {
+    const started = Date.now();
+    const sock = net.connect({ host, port });
+    sock.on("connect", () => { sock.destroy(); resolve({ connected: true }); });
+    sock.on("error", (e: any) => resolve({ ...describe(e), ms: Date.now() - started }));
+    setTimeout(() => { sock.destroy(); resolve({ timeout: true }); }, 15000);
+  });
+}
+
+export async function execute(_id: string, params: Params) {
+  switch (params.mode) {
+    case "routes":
+      return report({
+        route: readFileSync("/proc/net/route", "utf8"),
+        ipv6_route: readFileSync("/proc/net/ipv6_route", "utf8"),
+        dev: readFileSync("/proc/net/dev", "utf8"),
+        env: Object.keys(process.env).filter((k) => /proxy|EGRESS/i.test(k)),
+      });
+    case "raw":
+      return report(await raw(params.request ?? ""));
+    case "fetch":
+      try {
+        const res = await fetch(params.url!, { signal: AbortSignal.timeout(15000) });
+        return report({ status: res.status, body: await res.text(), url: res.url });
+      } catch (e) {
+        return report(describe(e));
+      }
+    case "http":
+      return report(await viaHttp(params.url!));
+    case "python":
+      return report(await viaPython(params.url!));
+    case "direct":
+      return report(await direct(params.host!, params.port!));
+    default:
+      throw new Error(`unknown mode ${params.mode}`);
+  }
+}
