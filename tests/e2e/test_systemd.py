@@ -16,7 +16,8 @@ pip and its registry settings) and `make install` runs with PIP_NO_INDEX/PIP_FIN
 pointing at them. The container has no network at all (`--network none`): nothing in it
 depends on reaching a registry, and no traffic leaves it.
 
-The tests run in file order against one installed machine; each says what state it leaves.
+The tests run in file order against one installed machine: the first enables sandboxd.socket
+(and must run for any other to), the last stops the service and the socket.
 """
 
 from __future__ import annotations
