@@ -173,6 +173,7 @@ class EgressSession:
         self.sandbox_id = sandbox_id
         self._context = context
         self._connections: set[asyncio.Task[None]] = set()
+        self._bucket = _Bucket(proxy.config.rate_bytes)
 
     def __repr__(self) -> str:
         return f"<EgressSession {self.user} {self.sandbox_id} connections={len(self._connections)}>"
@@ -264,7 +265,8 @@ class EgressSession:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
                 upstream_writer.write(forward)
-            await _relay(reader, writer, upstream_reader, upstream_writer, config.idle_timeout_s)
+            self._bucket.rate = config.rate_bytes  # a reload's new rate applies from here
+            await _relay(reader, writer, upstream_reader, upstream_writer, config.idle_timeout_s, self._bucket)
         finally:
             upstream_writer.transport.abort()
 
@@ -382,9 +384,26 @@ def _is_host_name(host: str) -> bool:
                and not label.startswith("-") and not label.endswith("-") for label in labels)
 
 
+class _Bucket:
+    """A token bucket of bytes per second, shared by a sandbox's connections: a sandbox moving
+    data as fast as it can costs the daemon's loop a bounded share of a core."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._tokens = rate  # one second's worth at once
+        self._at = time.monotonic()
+
+    async def spend(self, size: int) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate) - size
+        self._at = now
+        if self._tokens < 0:
+            await asyncio.sleep(-self._tokens / self.rate)
+
+
 async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  upstream_reader: asyncio.StreamReader, upstream_writer: asyncio.StreamWriter,
-                 idle_timeout_s: float) -> None:
+                 idle_timeout_s: float, bucket: _Bucket) -> None:
     """Copy both ways until the upstream is done, or both sides are, or nothing moves for ``idle_timeout_s``."""
     last = [time.monotonic()]
 
@@ -395,6 +414,7 @@ async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 if dst.can_write_eof() and not dst.is_closing():
                     dst.write_eof()
                 return
+            await bucket.spend(len(data))
             dst.write(data)
             await dst.drain()  # backpressure: a slow reader slows the writer, nothing piles up here
             last[0] = time.monotonic()

@@ -293,10 +293,13 @@ def test_a_sandbox_holds_at_most_max_connections_and_close_ends_them() -> None:
     asyncio.run(scenario())
 
 
-def test_the_log_names_user_tool_and_decision_and_masks_secrets(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_log_names_user_tool_and_decision_and_masks_secrets() -> None:
+    import io
+
     from sandboxd.logging import configure_logging
 
-    configure_logging("info", "json")
+    stream = io.StringIO()  # stays open for whatever logs after this test
+    configure_logging("info", "json", stream=stream)
     token = "tok-9f8e7d6c5b4a"
 
     async def scenario() -> None:
@@ -306,7 +309,31 @@ def test_the_log_names_user_tool_and_decision_and_masks_secrets(capsys: pytest.C
         await exchange(session, b"CONNECT 10.0.0.5:80 HTTP/1.1\r\n\r\n")
 
     asyncio.run(scenario())
-    logged = capsys.readouterr().err
+    logged = stream.getvalue()
     assert token not in logged
     assert '"event": "egress"' in logged and '"user": "alice@example.com"' in logged
     assert '"tool": "web_fetch"' in logged and '"decision": "refused"' in logged and '"port": 80' in logged
+
+
+def test_a_sandboxs_traffic_is_held_to_egress_rate_bytes() -> None:
+    """3 MiB at 1 MiB/s (one second's worth at once) takes at least 2 s; only a lower bound, so never flaky."""
+    size = 3 << 20
+
+    async def scenario() -> float:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"x" * size)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proxy, _ = make_proxy(allow=[f"127.0.0.1:{port}"], rate_bytes=1 << 20)
+        started = asyncio.get_running_loop().time()
+        answer = await exchange(proxy.session("a@b.c", "s", lambda: (None, frozenset())),
+                                f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\nGET / HTTP/1.0\r\n\r\n".encode())
+        assert answer.endswith(b"x" * 1000) and len(answer) > size
+        server.close()
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(scenario()) >= 1.9
