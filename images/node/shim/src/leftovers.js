@@ -16,14 +16,17 @@ const MAX_LISTED = 5;
 
 const enabled = process.pid === 1 || process.ppid === 1;
 
-/** Processes other than init, the shim and its esbuild service that are not zombies. */
-function strayProcesses() {
+/**
+ * Processes other than init, the shim, its esbuild service and `own` (the shim's other
+ * helpers' pids) that are not zombies.
+ */
+function strayProcesses(own = []) {
   const strays = [];
   for (const name of fs.readdirSync('/proc')) {
     const c = name.charCodeAt(0);
     if (c < 48 || c > 57) continue; // not a pid
     const pid = Number(name);
-    if (pid === 1 || pid === process.pid) continue;
+    if (pid === 1 || pid === process.pid || own.includes(pid)) continue;
     let stat;
     try {
       stat = fs.readFileSync(`/proc/${name}/stat`, 'latin1');
@@ -53,12 +56,12 @@ function tmpNearlyFull() {
 }
 
 /** Why this sandbox should not serve another call, or null. Cheap: ~20 µs. */
-function retireReason() {
+function retireReason(own = []) {
   if (!enabled) return null;
   const reasons = [];
   let strays = [];
   try {
-    strays = strayProcesses();
+    strays = strayProcesses(own);
   } catch {
     // no /proc: nothing to say
   }

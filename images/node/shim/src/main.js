@@ -13,6 +13,9 @@ const fdSetup = io.setupFds(process.env);
 const socketPath = process.env.SANDBOXD_SHIM_SOCKET;
 delete process.env.SANDBOXD_SHIM_FDS;
 delete process.env.SANDBOXD_SHIM_SOCKET;
+// The egress proxy's socket (docs/shim.md, "Egress"); tools need not know it.
+const egressSocket = process.env.SANDBOXD_EGRESS_SOCKET;
+delete process.env.SANDBOXD_EGRESS_SOCKET;
 // Connect before any tool code can run: the daemon takes one connection per sandbox.
 const connecting = socketPath
   ? io.connectSocket(socketPath, [fdSetup.inFd, fdSetup.outFd].filter((fd) => fd > 2))
@@ -59,6 +62,10 @@ const out = output.install(
 );
 const log = out.log;
 
+// Before any tool code runs: fetch, http(s) and child processes go through the proxy.
+const egress = egressSocket ? require('./egress') : null;
+const egressReady = egress ? egress.install(egressSocket, log) : null;
+
 const precompiledDir = process.env.SANDBOXD_TRANSPILE_CACHE;
 delete process.env.SANDBOXD_TRANSPILE_CACHE;
 loader.install({ warn: (m) => out.callLog(m), toolsDirs: process.env.PI_TOOLS_DIRS, precompiledDir });
@@ -95,6 +102,11 @@ function replyError(id, code, message, data) {
 
 function applyEnv(call, env) {
   for (const [k, v] of Object.entries(env)) {
+    if (egress && egress.isProxyEnv(k)) {
+      // Child processes have no other way out: a user's HTTP_PROXY would only break them.
+      out.callLog(`env ${k} ignored: the shim points it at sandboxd's egress proxy`);
+      continue;
+    }
     call.savedEnv.push([k, Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined]);
     if (v === null) delete process.env[k];
     else process.env[k] = String(v);
@@ -116,8 +128,10 @@ function finish(call, result) {
   call.done = true;
   if (current === call) current = null;
   restoreEnv(call);
+  if (egress) egress.reassertEnv(); // in case the tool changed them
   let json = results.encodeResult(result, call.maxResultBytes);
-  const retire = leftovers.retireReason();
+  const helper = egress && egress.helperPid();
+  const retire = leftovers.retireReason(helper ? [helper] : []);
   if (retire) {
     out.callLog(`sandbox retired: ${retire}`);
     json = `${json.slice(0, -1)},"retire":${JSON.stringify(retire)}}`;
@@ -346,6 +360,7 @@ async function start() {
     }
   }
 
+  if (egressReady) await egressReady; // child processes get HTTP_PROXY from the first call on
   send({ jsonrpc: '2.0', method: 'ready', params: { protocol: PROTOCOL, node: process.version, pid: process.pid } });
 }
 
