@@ -345,6 +345,32 @@ def test_reload_applies_a_pool_change_live(machine: Machine) -> None:
     assert machine.active("sandboxd.service") == "active"
 
 
+def test_the_daemons_egress_proxy_reaches_a_site_off_the_loopback(machine: Machine) -> None:
+    """Sandboxes have no network; the daemon's egress proxy connects for them, so the unit's
+    IP rules bind every tool's web traffic. The site has a non-loopback address: a documentation
+    address (RFC 5737) on the loopback device of the container's own network namespace. The
+    request goes to a running sandbox's egress.sock as its uid, as that sandbox's shim sends it."""
+    need(shutil.which("nsenter") is not None and shutil.which("ip") is not None,
+         "the systemd test needs nsenter and ip on the host (util-linux, iproute2) to give its site an address")
+    site = "198.51.100.7"
+    pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", machine.name]).stdout.strip()
+    run(["nsenter", "-t", pid, "-n", "ip", "address", "add", f"{site}/32", "dev", "lo"])
+    machine.sh("mkdir -p /srv/site && echo 'reached through the egress proxy' > /srv/site/page.txt")
+    run(["docker", "exec", "-d", machine.name, "python3", "-m", "http.server", "--bind", site, "--directory", "/srv/site", "8080"])
+    url = f"http://{site}:8080/page.txt"
+    machine.wait_for(lambda: machine.sh(f"python3 -c 'import urllib.request; urllib.request.urlopen(\"{url}\", timeout=5)'",
+                                        check=False).returncode == 0, "the site in the container")
+    machine.sh(f"""sed -i 's/^  allow: \\[\\]/  allow: ["{site}:8080"]/' /etc/sandboxd/config.yaml"""
+               f" && grep -q '{site}:8080' /etc/sandboxd/config.yaml && systemctl restart sandboxd.service")
+
+    assert machine.rpc(MEMBER, call("hello", {"name": "egress"}))[0]["result"]["status"] == "ok"  # a sandbox runs
+    uid = 2000000000  # sandbox.user auto
+    got = json.loads(machine.sh(f"python3 {RPC} --egress {url} {uid}", timeout=180).stdout)
+    assert got == {"status": "HTTP/1.0 200 OK", "body": "reached through the egress proxy\n"}, got
+    decisions = [e for e in machine.events("egress") if e.get("host") == site]
+    assert decisions and decisions[-1]["decision"] == "allowed", machine.events("egress")
+
+
 def test_restart_keeps_the_socket_and_loses_no_queued_connection(machine: Machine) -> None:
     pid = machine.show("sandboxd.service", "MainPID")["MainPID"]
     inode = machine.sh(f"stat -c %i {SOCKET}").stdout

@@ -12,6 +12,11 @@ Standard library only: it must not depend on the sandboxd being tested.
                                answered, t being the time of connect() (Unix seconds, the
                                clock of the daemon's log timestamps)
 
+    rpc.py --egress URL UID    as root: GET URL through the egress proxy socket of a running
+                               sandbox (its socket directory under SOCKET's .shims folder) as
+                               the sandbox's uid, as the sandbox's shim would; print the
+                               response's status line and body as {"status": ..., "body": ...}
+
 A connect() that fails prints {"connect_error": "EACCES", ...} and exits 3.
 """
 
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -72,7 +79,31 @@ def ping_once(path: str, lock: threading.Lock) -> None:
         print(json.dumps(result), flush=True)
 
 
+def egress_get(url: str, uid: int) -> None:
+    """Only the sandbox's uid may use its egress.sock; its folder's parent is the daemon's own
+    (0700), so enter the folder as root, then drop to the uid and connect by a relative path."""
+    shims = Path("/run/sandboxd/sandboxd.sock.shims")
+    folder = next(d for d in sorted(shims.iterdir()) if (d / "egress.sock").exists())
+    os.chdir(folder)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(120)
+    sock.connect("egress.sock")
+    host = url.split("/")[2]
+    sock.sendall(f"GET {url} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    response = b""
+    while chunk := sock.recv(1 << 16):
+        response += chunk
+    head, _, body = response.partition(b"\r\n\r\n")
+    print(json.dumps({"status": head.split(b"\r\n")[0].decode(errors="replace"), "body": body.decode(errors="replace")}))
+
+
 def main(argv: list[str]) -> None:
+    if argv[1] == "--egress":
+        egress_get(argv[2], int(argv[3]))
+        return
     path = argv[1]
     if argv[2:3] == ["--pings"]:
         count, every = int(argv[3]), float(argv[5])
