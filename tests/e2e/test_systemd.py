@@ -369,6 +369,10 @@ def test_the_daemons_egress_proxy_reaches_a_site_off_the_loopback(machine: Machi
     assert got == {"status": "HTTP/1.0 200 OK", "body": "reached through the egress proxy\n"}, got
     decisions = [e for e in machine.events("egress") if e.get("host") == site]
     assert decisions and decisions[-1]["decision"] == "allowed", machine.events("egress")
+    # And the whole way: a tool's fetch in a sandbox, through the shim's egress forwarding.
+    answer = machine.rpc(MEMBER, call("web_fetch", {"url": url, "timeout_seconds": 60}))[0]
+    assert answer["result"]["status"] == "ok", answer
+    assert "reached through the egress proxy" in json.dumps(answer["result"]), answer
 
 
 def test_restart_keeps_the_socket_and_loses_no_queued_connection(machine: Machine) -> None:
