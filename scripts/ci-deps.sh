@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Tools some tests need besides Docker: systemd-analyze (tests/unit/test_packaging.py
-# verifies packaging/systemd/* with it). Installs Debian's `systemd` package when missing,
-# as root; it is not started, only its analyzer is used.
+# Tools some tests need besides Docker, installed from Debian's packages when missing (as root):
+# systemd-analyze (tests/unit/test_packaging.py verifies packaging/systemd/* with it; the
+# `systemd` package is not started, only its analyzer is used) and ip (tests/e2e/test_systemd.py
+# gives its site an address in its container's network namespace).
 set -euo pipefail
 
-if command -v systemd-analyze >/dev/null 2>&1; then
+missing=()
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
-  echo "ci-deps: systemd-analyze is missing; install it as root (apt-get install systemd)" >&2
+  echo "ci-deps: ${missing[*]} missing; install them as root (apt-get install ${missing[*]})" >&2
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends systemd >/dev/null
-command -v systemd-analyze >/dev/null
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+command -v systemd-analyze >/dev/null && command -v ip >/dev/null
