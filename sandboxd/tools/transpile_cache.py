@@ -1,7 +1,7 @@
 """The global tools transpiled once, on the host, for every sandbox to read (docs/performance.md).
 
 A sandbox's shim transpiles each TypeScript file (and each .js/.mjs of a tool) with
-esbuild before Node loads it. Starting esbuild's service costs ~40 ms in every sandbox,
+esbuild before Node loads it. Starting esbuild's service costs ~30 ms in every sandbox,
 on a new user's first call, and an esbuild process and a worker thread in every idle
 sandbox. The global tools are the operator's, so the daemon transpiles them ahead of
 need with the image's own esbuild binary (copied out of the image, so the version is the
