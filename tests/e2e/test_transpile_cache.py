@@ -75,3 +75,14 @@ def test_a_hostile_tool_cannot_change_what_other_sandboxes_load_from_the_cache(m
         probe = client.call_tool(victim, "cache_probe", {})
     assert text_of(probe).startswith("probe ok") and probe["details"]["esbuild"] is False, probe
     assert {path.name: path.read_bytes() for path in cache.iterdir()} == before
+
+
+def test_a_global_tool_edited_while_the_daemon_runs_is_transpiled_again(make_daemon: Any) -> None:
+    daemon = started_with_cache(make_daemon)
+    source = daemon.data / "tools" / "cache_probe" / "index.ts"
+    source.write_text(source.read_text().replace("probe ok", "probe v2 ok"))
+    with daemon.client() as client:
+        client.request("tools/list", {"user": "lister@example.com"})  # the scan that sees the edit asks for a refill
+        wait_until(lambda: len(daemon.events("transpile_cache_filled")) >= 2, 30, "the refill after the edit")
+        probe = client.call_tool("fresh@example.com", "cache_probe", {})
+    assert text_of(probe).startswith("probe v2 ok") and probe["details"]["esbuild"] is False, probe
