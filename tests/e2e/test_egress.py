@@ -138,3 +138,52 @@ def test_policy_none_refuses_even_what_egress_allow_names(make_daemon: Any, web:
     daemon = allowing(make_daemon, web, SANDBOXD_EGRESS_POLICY="none")
     seen = probe(daemon, "raw", request=f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n")
     assert "egress.policy is none" in seen["answer"] and web.connections == 0, seen
+
+
+# --- through what the shim installs: tools need no change -----------------------------------
+
+def test_fetch_http_and_a_python_child_reach_a_listed_server(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    daemon = allowing(make_daemon, web)
+    url = f"http://127.0.0.1:{port}/page"
+    assert probe(daemon, "fetch", url=url) == {"status": 200, "body": "hello through the proxy", "url": url}
+    assert probe(daemon, "http", url=url) == {"status": 200, "body": "hello through the proxy"}
+    child = probe(daemon, "python", url=url)
+    assert child["stdout"] == "hello through the proxy", child
+    assert web.paths == ["/page"] * 3
+    assert len(daemon.events("egress", decision="allowed", user=USER, tool="egress_probe")) == 3
+
+
+def test_a_refusal_reaches_the_tool_as_the_policys_reason_on_every_path(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    daemon = make_daemon()
+    url = f"http://127.0.0.1:{port}/page"
+    reason = f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: loopback address"
+    fetched = probe(daemon, "fetch", url=url)
+    assert reason in fetched["error"], fetched  # "fetch failed: egress to ...", not a bare "fetch failed"
+    assert reason in probe(daemon, "http", url=url)["error"]
+    child = probe(daemon, "python", url=url)
+    assert "403" in child["stdout"], child  # urllib's HTTPError: Forbidden, the proxy's answer
+    assert web.connections == 0
+
+
+def test_a_name_resolving_to_loopback_is_refused(make_daemon: Any, web: _Server) -> None:
+    """`localhost` resolves from the host's /etc/hosts, so no DNS query leaves the machine. The
+    port is opened (egress.ports), so that the address is what refuses it, after resolution."""
+    port = web.server_address[1]
+    daemon = make_daemon(env={"SANDBOXD_EGRESS_PORTS": f"[80, 443, {port}]"})
+    fetched = probe(daemon, "fetch", url=f"http://localhost:{port}/page")
+    assert (f"egress to localhost:{port} refused by sandboxd's egress policy: loopback address"
+            in fetched["error"]), fetched
+    assert web.connections == 0
+
+
+def test_a_redirect_to_a_private_address_is_refused_at_its_hop(make_daemon: Any, web: _Server) -> None:
+    port = web.server_address[1]
+    daemon = allowing(make_daemon, web)
+    fetched = probe(daemon, "fetch", url=f"http://127.0.0.1:{port}/redirect-private")
+    assert (f"egress to {PRIVATE}:80 refused by sandboxd's egress policy: private address (RFC 1918)"
+            in fetched["error"]), fetched
+    assert web.paths == ["/redirect-private"]  # the first hop was served, the second never connected
+    refused = daemon.events("egress", decision="refused", host=PRIVATE)
+    assert refused and refused[-1]["port"] == 80

@@ -162,13 +162,16 @@ def make_proxy(names: dict[str, list[str]] | None = None, **config: Any) -> tupl
 
 @pytest.fixture
 def no_connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Every connection the proxy opens is recorded (and still made)."""
+    """Every connection the proxy tries is recorded, and only loopback ones are made: a
+    policy that let a private address through must not send a packet to it."""
     made: list[tuple[str, int]] = []
     real = asyncio.open_connection
 
     async def recording(host: Any = None, port: Any = None, **kwargs: Any) -> Any:
         if host is not None:
             made.append((host, port))
+            if not ipaddress.ip_address(host).is_loopback:
+                raise ConnectionRefusedError(111, "not connected: the test allows loopback only")
         return await real(host, port, **kwargs)
 
     monkeypatch.setattr(proxy_module.asyncio, "open_connection", recording)
