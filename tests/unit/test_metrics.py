@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import io
 import json
 import tempfile
@@ -178,3 +179,20 @@ def test_one_call_event_per_call_without_secrets(tmp_path: Path) -> None:
         assert isinstance(event["duration_ms"], int) and isinstance(event["queue_ms"], int)
         assert event["sandbox"].startswith("fake-")
         assert "arguments" not in event and "env" not in event
+
+
+def test_egress_decisions_are_counted_by_decision_and_reason(tmp_path: Path) -> None:
+    async def test(server: Server) -> None:
+        ours, theirs = socket.socketpair()
+        session = server.egress.session(USER, "s1", lambda: ("hello", frozenset()))
+        handled = asyncio.ensure_future(session.handle(theirs))
+        reader, writer = await asyncio.open_connection(sock=ours)
+        writer.write(b"CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n")
+        assert b"403 Forbidden" in await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        await handled
+        values = samples(server.metrics.render()[0].decode())
+        assert values[("sandboxd_egress_requests_total",
+                       (("decision", "refused"), ("reason", "private address")))] == 1
+
+    run_server(tmp_path, test)
