@@ -52,13 +52,7 @@ class UnsafeMount(BackendUnavailable):
 
 
 class SandboxFailed(SandboxdError):
-    """A sandbox died or broke the shim protocol; the call is answered as ``crashed``."""
-
-    def __init__(self, message: str, data: Any = None, *, exit_code: int | None = None,
-                 oom_killed: bool = False) -> None:
-        super().__init__(message, data)
-        self.exit_code = exit_code
-        self.oom_killed = oom_killed
+    """A sandbox died or broke the shim protocol; the call is answered as ``crashed`` (``message`` says why)."""
 
 
 class ShuttingDown(SandboxdError):

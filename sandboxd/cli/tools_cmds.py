@@ -28,7 +28,8 @@ from sandboxd.tools.discovery import (
     tool_dirs,
 )
 from sandboxd.tools.checks import check_entry_file, check_synced_copy
-from sandboxd.tools.manifest import MANIFEST_FILE, Problem, parse_manifest
+from sandboxd.tools.manifest import MANIFEST_FILE, parse_manifest
+from sandboxd.tools.problem import Problem
 from sandboxd.tools.sync import sync_tools
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 

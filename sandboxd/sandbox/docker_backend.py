@@ -604,7 +604,7 @@ class DockerBackend:
             message = f"The tool's sandbox exited with code {code} during the call."
         if tail and not oom:
             message += f" Its last output:\n{tail}"
-        return SandboxFailed(message, exit_code=code, oom_killed=oom)
+        return SandboxFailed(message)
 
     # -- blocking Docker calls (run in the executor) ---------------------------
 

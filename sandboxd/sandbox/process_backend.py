@@ -83,7 +83,7 @@ class ProcessSandbox(ShimSandbox):
             message = f"The tool's process was killed by signal {-code} during the call."
         else:
             message = f"The tool's process exited with code {code} during the call."
-        return SandboxFailed(message + (f" Its last output:\n{tail}" if tail else ""), exit_code=code)
+        return SandboxFailed(message + (f" Its last output:\n{tail}" if tail else ""))
 
 
 class ProcessBackend:

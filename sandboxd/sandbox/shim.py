@@ -1,7 +1,8 @@
 """The daemon's side of the shim protocol (docs/shim.md), for any byte transport.
 
-A backend feeds the shim's stdout into ``feed`` and gives a ``write`` function
-for its stdin. Everything the shim says is untrusted. The shim speaks only when
+A backend feeds the shim's protocol stream (its socket, or its stdout in attach
+mode) into ``feed`` and gives a ``write`` function for the other direction.
+Everything the shim says is untrusted. The shim speaks only when
 asked: ``ready`` once, then progress and one answer for the running call. Anything
 else (a line that is not the protocol or is too long, a message while no call runs,
 progress or an answer for another call, an unknown method) means a tool wrote to the
@@ -173,7 +174,7 @@ def _kind(message: dict[str, Any]) -> str:
 class ShimSandbox:
     """What every shim-backed sandbox shares: the channel, output budgets, a stderr tail, exit handling.
 
-    Subclasses provide ``_write`` (bytes to the shim's stdin), ``_reading`` (pause or
+    Subclasses provide ``_write`` (bytes to the shim's protocol stream), ``_reading`` (pause or
     resume reading its protocol and output streams) and ``exit_reason`` (why the
     sandbox ended, in words an agent can act on).
     """

@@ -5,11 +5,11 @@ from sandboxd.tools.manifest import (
     NO_DEFAULT,
     Input,
     Manifest,
-    Problem,
     parse_manifest,
     parse_manifest_text,
     read_version,
 )
+from sandboxd.tools.problem import Problem
 from sandboxd.tools.schema import input_schema, sensitive_names, validate_arguments
 from sandboxd.tools.sync import SyncAction, sync_tools
 

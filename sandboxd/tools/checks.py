@@ -28,7 +28,8 @@ import tree_sitter
 import tree_sitter_typescript
 
 from sandboxd.tools.discovery import ENTRY_FILES
-from sandboxd.tools.manifest import MANIFEST_FILE, Problem, read_version
+from sandboxd.tools.manifest import MANIFEST_FILE, read_version
+from sandboxd.tools.problem import Problem
 
 MAX_SOURCE_BYTES = 1 << 20  # the shim loads bigger files, but nobody hand-writes them
 

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.logging import get_logger
-from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, Problem, parse_manifest
+from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from sandboxd.tools.problem import Problem
 from sandboxd.tools.schema import input_schema
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 

@@ -6,13 +6,9 @@ at once, so an author fixes a manifest in one pass. A manifest with any error
 is not returned: half-understood tools are never offered to an agent.
 
 The YAML is read with the YAML 1.2 core schema, as the JavaScript loaders of
-pi read it: only ``true``/``false`` are booleans (``yes``, ``on``, ``no`` stay
-text), ``1e3`` is a number, and a key given twice is an error.
-
-A user's TOOL.md is written by that user's sandboxes, so it is hostile input the
-daemon parses: anchors and aliases (the "billion laughs" expansion) are refused,
-the frontmatter is bounded in bytes, nesting depth and nodes, and a parse that
-runs past PARSE_TIME_LIMIT_S stops with a problem (a check per YAML node).
+pi read it (yaml12.py). A user's TOOL.md is written by that user's sandboxes, so
+it is hostile input the daemon parses: the loader refuses anchors and aliases and
+bounds depth, nodes and time; the frontmatter is bounded in bytes here.
 """
 
 from __future__ import annotations
@@ -24,21 +20,20 @@ import math
 import os
 import re
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from sandboxd.tools.problem import Problem, Severity
+from sandboxd.tools.yaml12 import ManifestLoader, ParseTimeout, Refused
+
 MANIFEST_FILE = "TOOL.md"
 MAX_MANIFEST_BYTES = 1 << 20  # a user's TOOL.md is read by the daemon: bound the work it can cause
-# The frontmatter is metadata: these bound a parse to milliseconds by construction;
-# PARSE_TIME_LIMIT_S is the second line, checked at every YAML node.
+# The frontmatter is metadata: this and yaml12's MAX_YAML_DEPTH and MAX_YAML_NODES bound a
+# parse to milliseconds by construction; PARSE_TIME_LIMIT_S is the second line.
 MAX_FRONTMATTER_BYTES = 64 << 10
-MAX_YAML_DEPTH = 16  # a manifest needs 5: inputs → input → values → value
-MAX_YAML_NODES = 10_000
-PARSE_TIME_LIMIT_S = 2.0
 MAX_NAME_LENGTH = 64  # model APIs refuse longer tool names
 INPUT_TYPES = ("string", "number", "boolean", "enum")
 LANGUAGES = ("typescript", "bash", "python")
@@ -49,38 +44,6 @@ _NAME_RE = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: "$" would let 
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _FENCE_RE = re.compile(r"^---[ \t]*$")
 _TYPE_HINTS = {"integer": "number", "int": "number", "float": "number", "bool": "boolean", "str": "string"}
-
-Severity = Literal["error", "warning"]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding about a tool: what is wrong, where, and how to fix it."""
-
-    path: Path
-    message: str
-    fix: str
-    field: str | None = None
-    line: int | None = None
-    severity: Severity = "error"
-
-    @property
-    def is_error(self) -> bool:
-        return self.severity == "error"
-
-    def __str__(self) -> str:
-        parts = [f"{self.path}:{self.line}" if self.line else str(self.path)]
-        if self.severity == "warning":
-            parts.append("warning")
-        if self.field:
-            parts.append(self.field)
-        parts.append(f"{self.message.rstrip('.')}. Fix: {self.fix.rstrip('.')}")
-        return ": ".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "line": self.line, "field": self.field,
-                "severity": self.severity, "message": self.message, "fix": self.fix}
-
 
 class _NoDefault(enum.Enum):
     NO_DEFAULT = "NO_DEFAULT"
@@ -140,7 +103,7 @@ def read_version(path: Path) -> int:
     if frontmatter is None or not frontmatter.closed or len(frontmatter.yaml) > MAX_FRONTMATTER_BYTES:
         return 0
     try:
-        data = yaml.load(frontmatter.yaml, Loader=_ManifestLoader)  # noqa: S506 - a safe loader
+        data = yaml.load(frontmatter.yaml, Loader=ManifestLoader)  # noqa: S506 - a safe loader
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError):
         return 0
     version = data.get("version") if isinstance(data, dict) else None
@@ -195,88 +158,6 @@ def _opened_path(fd: int, path: Path) -> Path:
         return Path(os.readlink(f"/proc/self/fd/{fd}"))
     except OSError:  # no /proc: fall back to resolving the name
         return path.resolve()
-
-
-# --- YAML --------------------------------------------------------------------------------------
-
-
-class _ManifestLoader(yaml.SafeLoader):
-    """PyYAML's safe loader switched to the YAML 1.2 core schema, refusing duplicate keys.
-
-    It also refuses anchors and aliases and bounds depth, nodes and time (the module's docstring).
-    """
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._nodes = 0
-        self._deadline = time.monotonic() + PARSE_TIME_LIMIT_S
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
-            raise _Refused("anchors and aliases (&name, *name) are not allowed in TOOL.md",
-                           "write each value out in full instead of '&name' and '*name'", event.start_mark)
-        self._nodes += 1
-        if self._nodes > MAX_YAML_NODES:
-            raise _Refused(f"the frontmatter has more than {MAX_YAML_NODES} values",
-                           "keep the frontmatter to metadata and inputs", event.start_mark)
-        if self._depth >= MAX_YAML_DEPTH:
-            raise _Refused(f"the frontmatter is nested more than {MAX_YAML_DEPTH} levels deep",
-                           "a manifest needs inputs → input → values at most; flatten the rest", event.start_mark)
-        if time.monotonic() > self._deadline:
-            raise ParseTimeout(f"reading the frontmatter took longer than {PARSE_TIME_LIMIT_S:g} s")
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
-        finally:
-            self._depth -= 1
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[tuple[str, str]] = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicated key {key_node.value!r}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        text = self.construct_scalar(node)
-        if text.startswith(("0o", "0x")):
-            return int(text[2:], 8 if text[1] == "o" else 16)
-        return int(text)  # "010" is ten in YAML 1.2, not eight
-
-
-_YAML_1_1_TAGS = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
-_ManifestLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_TAGS]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_ManifestLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_ManifestLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
-_ManifestLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
-_ManifestLoader.add_constructor("tag:yaml.org,2002:int", _ManifestLoader.construct_yaml_int)
-
-
-class ParseTimeout(yaml.YAMLError):
-    """A parse ran out of time: the tool is skipped with a problem saying so."""
-
-
-class _Refused(yaml.composer.ComposerError):
-    """YAML that TOOL.md does not allow (anchors, too deep, too many nodes), with its fix."""
-
-    def __init__(self, problem: str, fix: str, mark: yaml.Mark) -> None:
-        super().__init__(None, None, problem, mark)
-        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -401,7 +282,7 @@ class _ManifestChecker:
 
     def _load_yaml(self, text: str) -> dict[Any, Any] | None:
         try:
-            loader = _ManifestLoader(text)  # the reader refuses control characters right here
+            loader = ManifestLoader(text)  # the reader refuses control characters right here
         except yaml.reader.ReaderError as exc:
             self.error(None, f"the frontmatter holds the control character #x{exc.character:04x}",
                        "delete it (or write it as an escape inside a double-quoted string)",
@@ -414,7 +295,7 @@ class _ManifestChecker:
             self.error(None, f"{exc}, so the tool is skipped",
                        "simplify the frontmatter: a few keys and inputs read in milliseconds", line=1)
             return None
-        except _Refused as exc:
+        except Refused as exc:
             line = exc.problem_mark.line + 2 if exc.problem_mark is not None else None
             self.error(None, str(exc.problem), exc.fix, line=line)
             return None
@@ -677,7 +558,7 @@ class _ManifestChecker:
 def _reads_as(text: str, kind: str) -> bool:
     """Whether ``text``, unquoted, would be a YAML value of this input type."""
     try:
-        value = yaml.load(text, Loader=_ManifestLoader)  # noqa: S506 - a safe loader
+        value = yaml.load(text, Loader=ManifestLoader)  # noqa: S506 - a safe loader
     except (yaml.YAMLError, ValueError):
         return False
     if kind == "boolean":

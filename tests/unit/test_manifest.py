@@ -658,14 +658,14 @@ def read_version_of(text: str) -> int:
 
 
 def test_nesting_deeper_than_the_limit_is_refused() -> None:
-    from sandboxd.tools.manifest import MAX_YAML_DEPTH
+    from sandboxd.tools.yaml12 import MAX_YAML_DEPTH
 
     problem = only(manifest_with("label: " + "[" * (MAX_YAML_DEPTH + 5) + "]" * (MAX_YAML_DEPTH + 5) + "\n")[1])
     assert f"nested more than {MAX_YAML_DEPTH} levels" in problem.message
 
 
 def test_more_nodes_than_the_limit_are_refused() -> None:
-    from sandboxd.tools.manifest import MAX_YAML_NODES
+    from sandboxd.tools.yaml12 import MAX_YAML_NODES
 
     problem = only(manifest_with("label: [" + ",".join(["1"] * (MAX_YAML_NODES + 1)) + "]\n")[1])
     assert f"more than {MAX_YAML_NODES} values" in problem.message
@@ -679,9 +679,9 @@ def test_a_frontmatter_over_the_size_limit_is_refused_before_parsing() -> None:
 
 
 def test_a_parse_past_the_time_limit_stops_with_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sandboxd.tools import manifest as manifest_module
+    from sandboxd.tools import yaml12
 
-    monkeypatch.setattr(manifest_module, "PARSE_TIME_LIMIT_S", -1.0)  # every node is past the deadline
+    monkeypatch.setattr(yaml12, "PARSE_TIME_LIMIT_S", -1.0)  # every node is past the deadline
     manifest, problems = manifest_with()
     problem = only(problems)
     assert manifest is None and "took longer than" in problem.message and "skipped" in problem.message

@@ -264,7 +264,7 @@ function changedFile(dir) {
 /**
  * Load (or reuse) a tool entry. A changed file anywhere in the tool's folder
  * reloads the whole folder; a load failure leaves nothing of it cached.
- * @returns {{ mod: any, filename: string, reloaded: boolean }}
+ * @returns {{ mod: any, filename: string }}
  */
 function load(entry) {
   if (typeof entry !== 'string' || !path.isAbsolute(entry)) {
@@ -281,13 +281,11 @@ function load(entry) {
   if (!fs.existsSync(filename)) throw new ToolLoadError(`entry file not found: ${entry}`);
   sourceRoots.add(dir);
 
-  let reloaded = false;
   const changed = changedFile(dir);
   if (changed) {
     warn(`${changed} changed on disk: reloading ${dir}`);
     purge(dir);
     stats.reloads += 1;
-    reloaded = true;
   }
   const fresh = !Module._cache[filename];
   let mod;
@@ -303,7 +301,7 @@ function load(entry) {
     // entry loaded nothing new: the stats before the call were the only ones needed.
     changedFile(dir);
   }
-  return { mod, filename, reloaded };
+  return { mod, filename };
 }
 
 module.exports = { install, load, prewarm, stats, ToolLoadError };
