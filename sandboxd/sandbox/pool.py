@@ -46,6 +46,9 @@ class PooledSandbox:
     calls: int = 0
     since: float = 0.0  # when it entered its current state
     generation: int = 0  # the sandbox settings it was started with (see retire_all)
+    # Events, read by _plan: its call ended and it must not serve another; its start failed.
+    discard: bool = False
+    start_error: SandboxdError | None = None
 
     @property
     def id(self) -> str:
@@ -56,25 +59,6 @@ class PooledSandbox:
 class Waiter:
     user: str
     future: asyncio.Future[PooledSandbox]
-
-
-@dataclass
-class _Counts:
-    """One user's sandboxes by state, as _plan sees them."""
-
-    total: int = 0
-    starting: int = 0
-    idle: int = 0
-    stopping: int = 0
-
-    def add(self, state: State, n: int) -> None:
-        self.total += n
-        if state is State.STARTING:
-            self.starting += n
-        elif state is State.IDLE:
-            self.idle += n
-        elif state is State.STOPPING:
-            self.stopping += n
 
 
 @dataclass
@@ -173,14 +157,14 @@ class Pool:
             pooled.calls += 1
         self._last_call[pooled.user] = now
         if pooled.state is State.BUSY and pooled in self._of_user.get(pooled.user, ()):
-            current = pooled.generation == self._generation
-            if reusable and current and not self._closing and self._alive(pooled) and pooled.calls < self.config.max_calls_per_sandbox:
-                pooled.state, pooled.since = State.IDLE, now
-            else:
-                if not reusable:
-                    self.stats["killed" if self._alive(pooled) else "crashed"] += 1
-                self._apply(Plan(destroy=[self._stopping(pooled, now)]))
-        if self._waiters or pooled.state is not State.IDLE:  # else nothing changed for anyone else
+            alive = self._alive(pooled)
+            if not reusable:
+                self.stats["killed" if alive else "crashed"] += 1
+            # Unusable, dead, or spent (old settings, max calls): _plan destroys it, at once.
+            pooled.state, pooled.since = State.IDLE, now
+            pooled.discard = (not reusable or not alive or pooled.generation != self._generation
+                              or pooled.calls >= self.config.max_calls_per_sandbox)
+        if self._waiters or pooled.discard:  # else nothing changed for anyone else
             self._apply(self._plan())
 
     def retire_all(self) -> None:
@@ -254,36 +238,36 @@ class Pool:
             return plan
         now, cfg = self._clock(), self.config
 
-        # 1. Stop idle sandboxes that died, that belong to users gone quiet, or beyond min_idle past the TTL.
-        #    The same pass counts every sandbox per user, stopping ones included (this runs twice per
-        #    call: one pass, not one per user); _new, _make_room and step 2 keep the counts current.
-        counts: dict[str, _Counts] = {}
+        # 1. Forget failed starts (their users' callers get the error now, not at their deadline; each
+        #    retry re-checks the backend). Stop idle sandboxes that died, that a call left spent, that
+        #    belong to users gone quiet, or beyond min_idle past the TTL.
         idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
         ttl, last_call = cfg.idle_ttl_s, self._last_call
         for pooled in list(self._sandboxes):
             user, state = pooled.user, pooled.state
-            if state is State.IDLE:
+            if state is State.STARTING and pooled.start_error is not None:
+                self._forget(pooled)
+                self._backoff_until[user] = now + START_BACKOFF_S
+                for waiter in [w for w in self._waiters if w.user == user]:
+                    self._waiters.remove(waiter)
+                    if not waiter.future.done():
+                        waiter.future.set_exception(pooled.start_error)
+            elif state is State.IDLE:
                 alive = self._alive(pooled)
                 kept = idle_of.get(user)
                 user_quiet = now - last_call.get(user, 0.0) > ttl
                 surplus = (len(kept) if kept else 0) >= cfg.min_idle and now - pooled.since > ttl
                 retired = pooled.generation != self._generation
-                if not alive or user_quiet or surplus or retired:
-                    if not alive:
-                        # Died while idle, noticed here before _sandbox_died ran: count it once, here.
+                if pooled.discard or not alive or user_quiet or surplus or retired:
+                    if not alive and not pooled.discard:  # died while idle (a discarded one was counted)
                         self.stats["crashed"] += 1
                     plan.destroy.append(self._stopping(pooled, now))
-                    state = State.STOPPING
                 elif kept is None:
                     idle_of[user] = [pooled]
                 else:
                     kept.append(pooled)
-            row = counts.get(user)
-            if row is None:
-                row = counts[user] = _Counts()
-            row.add(state, 1)
         for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
-            if user not in counts and not any(w.user == user for w in self._waiters):
+            if user not in self._of_user and not any(w.user == user for w in self._waiters):
                 del self._last_call[user]
 
         # 2. Hand idle sandboxes to waiters, oldest waiter first.
@@ -295,7 +279,6 @@ class Pool:
             if idle:
                 pooled = idle.pop(0)
                 pooled.state, pooled.since = State.BUSY, now
-                counts[waiter.user].idle -= 1
                 self._waiters.remove(waiter)
                 waiter.future.set_result(pooled)
 
@@ -304,11 +287,10 @@ class Pool:
         for waiter in self._waiters:
             waiting[waiter.user] = waiting.get(waiter.user, 0) + 1
         for user, count in waiting.items():
-            starting = counts[user].starting if user in counts else 0
-            for _ in range(count - starting):
-                if not self._make_room(user, plan, counts, evict=True):
+            for _ in range(count - self._count(user, State.STARTING)):
+                if not self._make_room(user, plan, evict=True):
                     break
-                plan.start.append(self._new(user, now, counts))
+                plan.start.append(self._new(user, now))
 
         # 4. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
         #    Not while the user's callers wait for starts: a second start at the same time slows
@@ -316,13 +298,15 @@ class Pool:
         for user, last in self._last_call.items():
             if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0) or user in waiting:
                 continue
-            row = counts.get(user)
-            spare = row.idle + row.starting if row is not None else 0
-            for _ in range(cfg.min_idle - spare):
-                if not self._make_room(user, plan, counts, evict=False):
+            for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
+                if not self._make_room(user, plan, evict=False):
                     break
-                plan.start.append(self._new(user, now, counts))
+                plan.start.append(self._new(user, now))
         return plan
+
+    def _count(self, user: str, *states: State) -> int:
+        """The user's sandboxes in ``states``, counted afresh (a user has max_per_user at most)."""
+        return sum(1 for pooled in self._of_user.get(user, ()) if pooled.state in states)
 
     def _idle_of(self, user: str) -> PooledSandbox | None:
         """The user's first idle sandbox (as _plan would hand out) if it is alive and current, else None."""
@@ -337,14 +321,10 @@ class Pool:
         now = self._clock()
         if self._closing or now < self._backoff_until.get(user, 0.0):
             return plan
-        row = _Counts()
-        for pooled in self._of_user.get(user, ()):
-            row.add(pooled.state, 1)
-        counts = {user: row}
-        for _ in range(self.config.min_idle - (row.idle + row.starting)):
-            if not self._make_room(user, plan, counts, evict=False):
+        for _ in range(self.config.min_idle - self._count(user, State.IDLE, State.STARTING)):
+            if not self._make_room(user, plan, evict=False):
                 break
-            plan.start.append(self._new(user, now, counts))
+            plan.start.append(self._new(user, now))
         return plan
 
     def _forget(self, pooled: PooledSandbox) -> None:
@@ -354,31 +334,28 @@ class Pool:
         if not mine:
             del self._of_user[pooled.user]
 
-    def _new(self, user: str, now: float, counts: dict[str, _Counts]) -> PooledSandbox:
+    def _new(self, user: str, now: float) -> PooledSandbox:
         pooled = PooledSandbox(user, State.STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
         self._of_user.setdefault(user, []).append(pooled)
-        counts.setdefault(user, _Counts()).add(State.STARTING, 1)
         return pooled
 
-    def _make_room(self, user: str, plan: Plan, counts: dict[str, _Counts], *, evict: bool) -> bool:
+    def _make_room(self, user: str, plan: Plan, *, evict: bool) -> bool:
         """True if one more sandbox for ``user`` fits now.
 
         With ``evict``, a full pool stops another user's longest-idle sandbox; the room is
         there once it is gone (its destroy re-plans), so one eviction at a time: while any
         sandbox is stopping, room is already on its way.
         """
-        if user in counts and counts[user].total >= self.config.max_per_user:
+        if len(self._of_user.get(user, ())) >= self.config.max_per_user:  # stopping ones count too
             return False
         if len(self._sandboxes) < self.config.max_total:
             return True
-        if not evict or any(row.stopping for row in counts.values()):
+        if not evict or any(p.state is State.STOPPING for p in self._sandboxes):
             return False
         others = [p for p in self._sandboxes if p.state is State.IDLE and p.user != user]
         if others:
             victim = min(others, key=lambda p: p.since)  # the longest idle
-            counts[victim.user].idle -= 1
-            counts[victim.user].stopping += 1
             plan.destroy.append(self._stopping(victim, self._clock()))
         return False
 
@@ -422,8 +399,6 @@ class Pool:
 
     def _start_failed(self, pooled: PooledSandbox, exc: BaseException) -> None:
         self.stats["start_failures"] += 1
-        if pooled in self._sandboxes:
-            self._forget(pooled)
         if isinstance(exc, TimeoutError):
             exc = BackendUnavailable(
                 f"a sandbox did not start within {self.config.start_timeout_ms} ms; check the engine's load and the image."
@@ -431,19 +406,12 @@ class Pool:
         elif not isinstance(exc, SandboxdError):
             exc = BackendUnavailable(f"could not start a sandbox: {exc}")
         log.warning("sandbox_start_failed", user=pooled.user, error=str(exc))
-        self._backoff_until[pooled.user] = self._clock() + START_BACKOFF_S
-        # Callers get the error now rather than at their deadline; each retry re-checks the backend.
-        for waiter in [w for w in self._waiters if w.user == pooled.user]:
-            self._waiters.remove(waiter)
-            if not waiter.future.done():
-                waiter.future.set_exception(exc)
+        pooled.start_error = exc
         self._apply(self._plan())
 
     def _sandbox_died(self, pooled: PooledSandbox) -> None:
-        """An idle sandbox died (engine restart, killed from outside): replace it in the background."""
-        if pooled in self._sandboxes and pooled.state is State.IDLE:
-            self.stats["crashed"] += 1
-            self._apply(Plan(destroy=[self._stopping(pooled, self._clock())]))
+        """An idle sandbox died (engine restart, killed from outside): _plan sees it dead and replaces it."""
+        if pooled.state is State.IDLE:
             self._apply(self._plan())
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
 
