@@ -5,7 +5,8 @@
 // operator's policy. So that tools need no change, this module sends through it:
 //   - Node's fetch: a global undici dispatcher (loaded on the first fetch) whose
 //     connector opens a CONNECT tunnel, then TLS for https;
-//   - the http/https modules: every Agent's createConnection opens the tunnel;
+//   - the http/https modules: every Agent's createConnection opens the tunnel
+//     (patched when a tool first requires either: loading them costs ~1 MB);
 //   - child processes (python3, curl): HTTP(S)_PROXY point at a loopback forwarder
 //     that pipes each connection to the proxy's socket, byte for byte; while a
 //     synchronous child runs (execSync), a perl helper accepts on the same socket.
@@ -13,9 +14,7 @@
 // module has no route anywhere. It only makes the way out the easy one, and the
 // proxy's refusals readable.
 const net = require('node:net');
-const http = require('node:http');
-const https = require('node:https');
-const tls = require('node:tls');
+const Module = require('node:module');
 const path = require('node:path');
 const childProcess = require('node:child_process');
 const { pipeline } = require('node:stream');
@@ -202,7 +201,7 @@ function openTunnel(host, port, signal) {
 /** TLS over a tunnel, resolved once the handshake is done (what undici's connector expects). */
 function tlsOver(socket, host, servername) {
   return new Promise((resolve, reject) => {
-    const tlsSocket = tls.connect({
+    const tlsSocket = require('node:tls').connect({
       socket,
       host, // checked against the certificate when there is no servername (an IP address)
       servername: servername && !net.isIP(servername) ? servername : undefined,
@@ -294,9 +293,37 @@ function tunnelling(original, secure) {
   };
 }
 
-function installAgents() {
+let agentsPatched = false;
+
+function patchAgents() {
+  if (agentsPatched) return;
+  agentsPatched = true;
+  const http = require('node:http');
+  const https = require('node:https');
   http.Agent.prototype.createConnection = tunnelling(http.Agent.prototype.createConnection, false);
   https.Agent.prototype.createConnection = tunnelling(https.Agent.prototype.createConnection, true);
+}
+
+const AGENT_MODULES = new Set(['http', 'https', 'node:http', 'node:https']);
+
+/**
+ * Patch the Agents when http or https is first required, not before. Tools' code, ES
+ * modules and dynamic import() included, reaches them through require (loader.js
+ * compiles it to CommonJS); process.getBuiltinModule is the other way in.
+ */
+function installAgents() {
+  const load = Module._load;
+  Module._load = function _load(request) {
+    if (!agentsPatched && AGENT_MODULES.has(request)) patchAgents();
+    return load.apply(this, arguments);
+  };
+  const getBuiltinModule = process.getBuiltinModule; // Node >= 20.16
+  if (typeof getBuiltinModule === 'function') {
+    process.getBuiltinModule = function getBuiltin(id) {
+      if (!agentsPatched && AGENT_MODULES.has(id)) patchAgents();
+      return getBuiltinModule.call(this, id);
+    };
+  }
 }
 
 // A raw socket to an outside address fails at once (no route, no DNS): say why.
@@ -365,7 +392,7 @@ function installSyncChildren() {
     };
     Object.defineProperty(childProcess[name], 'name', { value: name });
   }
-  require('node:module').syncBuiltinESMExports();
+  Module.syncBuiltinESMExports();
 }
 
 /** Put the proxy variables back (a tool may have changed them during its call). */

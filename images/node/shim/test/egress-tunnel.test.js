@@ -12,7 +12,9 @@ const egress = require('../src/egress');
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sandboxd-tunnel-'));
 const socketPath = path.join(dir, 'egress.sock');
-let respond = null; // (socket, requestHead) => void, set by each test
+let respond = null; // (socket, requestHead) => void, set by each test for its next request
+// A request no test expected gets this, so that a test fails instead of waiting forever.
+const unexpected = (sock) => sock.end('HTTP/1.1 599 Unexpected\r\nContent-Length: 0\r\n\r\n');
 const heads = [];
 let server;
 
@@ -23,9 +25,9 @@ before(async () => {
     sock.on('data', (d) => {
       buf += d.toString('latin1');
       const end = buf.indexOf('\r\n\r\n');
-      if (end !== -1 && respond) {
+      if (end !== -1) {
         heads.push(buf.slice(0, end));
-        const r = respond;
+        const r = respond || unexpected;
         buf = buf.slice(end + 4);
         respond = null;
         r(sock, heads[heads.length - 1]);
