@@ -23,7 +23,7 @@ from sandboxd.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUNNER_IMAGE = "sandboxd/node:0.3.0"  # tests check this matches images/node/VERSION
+RUNNER_IMAGE = "sandboxd/node:0.4.0"  # tests check this matches images/node/VERSION
 
 # Integration variables pi-bridge may pass per call (TOOLS.md, "Available Environment Variables").
 DEFAULT_ALLOWED_ENV = [
@@ -158,6 +158,11 @@ class SandboxConfig(_Section):
                 "set sandbox.transport: attach for a remote engine"
             )
         return self
+
+
+def shim_line_bytes(calls: CallsConfig) -> int:
+    """The longest line a shim may send: a result of calls.max_result_bytes, JSON-escaped, plus framing."""
+    return calls.max_result_bytes * 2 + (64 << 10)
 
 
 def parse_listen_address(value: str) -> tuple[str, int] | Path:

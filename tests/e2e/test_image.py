@@ -52,7 +52,8 @@ def client():
 class ShimContainer:
     """One runner container and its attach socket, demultiplexed."""
 
-    def __init__(self, client, tools_dir: Path = FIXTURES, env: dict[str, str] | None = None):
+    def __init__(self, client, tools_dir: Path = FIXTURES, env: dict[str, str] | None = None,
+                 volumes: dict[str, dict[str, str]] | None = None):
         self.client = client
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.raw_stdout: list[bytes] = []
@@ -82,7 +83,7 @@ class ShimContainer:
                 "PI_TOOLS_DIRS": "/officer/tools",
                 **(env or {}),
             },
-            volumes={str(tools_dir): {"bind": "/officer/tools", "mode": "ro"}},
+            volumes={str(tools_dir): {"bind": "/officer/tools", "mode": "ro"}, **(volumes or {})},
         )
         t0 = time.perf_counter()
         # Attach before start, without logs, so that nothing is lost or replayed.
@@ -368,3 +369,155 @@ def test_warm_hello_round_trip(shim):
         f"ping median {statistics.median(pings):.3f} ms, p99 {pings[int(len(pings) * 0.99) - 1]:.3f} ms; "
         f"container start to ready {s.start_seconds * 1000:.0f} ms"
     )
+
+
+# -- egress: the shim's side, in the real image with no network ------------------------
+
+TLS_DIR = IMAGE_DIR / "shim" / "test" / "tls"
+EGRESS_REFUSAL = ("egress to refused.test:80 refused by sandboxd's egress policy: private address (RFC 1918); "
+                  "the operator can allow it with egress.allow")
+
+
+class FakeEgressProxy:
+    """The daemon's egress proxy as the contract has it (docs/shim.md, "Egress"), on a unix
+    socket a container can reach: names ending in .test tunnel (CONNECT) or are forwarded
+    (absolute form) to this host's local servers, port 443 to the TLS one; refused.test
+    gets the policy's 403. Records each request line."""
+
+    def __init__(self) -> None:
+        import http.server
+        import ssl
+
+        class Echo(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                body = json.dumps({"server": self.server.kind, "path": self.path, "host": self.headers["Host"]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+        self.plain.kind = "http"
+        self.secure = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+        self.secure.kind = "https"
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(TLS_DIR / "cert.pem", TLS_DIR / "key.pem")
+        self.secure.socket = ctx.wrap_socket(self.secure.socket, server_side=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="sandboxd-egress-"))
+        os.chmod(self.dir, 0o755)
+        self.path = self.dir / "egress.sock"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.path))
+        os.chmod(self.path, 0o777)  # the sandbox's uid connects
+        self.listener.listen(16)
+        self.requests: list[str] = []
+        for target in (self.plain.serve_forever, self.secure.serve_forever, self._accept):
+            threading.Thread(target=target, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf and len(buf) < 16384:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ", 2)
+            self.requests.append(f"{method} {target}")
+            if method == "CONNECT":
+                host, port = target.rsplit(":", 1)
+                upstream_head = b""
+            else:
+                from urllib.parse import urlsplit
+                url = urlsplit(target)
+                host, port = url.hostname or "", str(url.port or 80)
+                upstream_head = "\r\n".join([f"{method} {url.path or '/'} HTTP/1.1", *lines[1:], "", ""]).encode("latin-1")
+            if host == "refused.test":
+                body = (EGRESS_REFUSAL + "\n").encode()
+                conn.sendall(b"HTTP/1.1 403 Forbidden\r\nX-Sandboxd-Egress: refused\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                return
+            server = self.secure if port == "443" else self.plain
+            with socket.create_connection(server.server_address, timeout=TIMEOUT) as up:
+                if upstream_head:
+                    up.sendall(upstream_head)
+                else:
+                    conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                if rest:
+                    up.sendall(rest)
+                pump = threading.Thread(target=self._pump, args=(up, conn), daemon=True)
+                pump.start()
+                self._pump(conn, up)
+                pump.join(TIMEOUT)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for server in (self.plain, self.secure):
+            server.shutdown()
+            server.server_close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def test_egress_tools_need_no_change(shim):
+    """In the real image, with no network of its own: fetch, https.get and a python3 child
+    (run synchronously: the perl forwarder serves it) reach servers through the egress
+    socket only, names unresolved in the sandbox; a refusal reads as the policy's; a raw
+    socket fails at once, saying why."""
+    proxy = FakeEgressProxy()
+    try:
+        s = shim(
+            env={"SANDBOXD_EGRESS_SOCKET": "/officer/run/egress.sock", "NODE_EXTRA_CA_CERTS": "/officer/data/cert.pem"},
+            volumes={str(proxy.dir): {"bind": "/officer/run", "mode": "ro"},
+                     str(TLS_DIR): {"bind": "/officer/data", "mode": "ro"}},
+        )
+
+        def tool(args: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            result, _ = s.call("egress", args, **extra)
+            assert result["status"] == "ok" and "retire" not in result, result
+            return json.loads(text(result))
+
+        got = tool({"op": "fetch", "url": "https://example.test/a"})
+        assert got["ok"] and json.loads(got["body"]) == {"server": "https", "path": "/a", "host": "example.test"}, got
+        got = tool({"op": "get", "url": "http://other.test/b", "agent": "new"})
+        assert got["ok"] and json.loads(got["body"])["server"] == "http", got
+        got = tool({"op": "python", "url": "https://example.test/py"}, env={"SSL_CERT_FILE": "/officer/data/cert.pem"})
+        assert got["out"].startswith("status 200\n"), got
+        got = tool({"op": "python", "url": "http://example.test/plain"})
+        assert got["out"].startswith("status 200\n"), got
+        assert proxy.requests == ["CONNECT example.test:443", "CONNECT other.test:80", "CONNECT example.test:443",
+                                  "GET http://example.test/plain"]
+
+        got = tool({"op": "fetch", "url": "http://refused.test/"})
+        assert got["message"] == f"fetch failed: {EGRESS_REFUSAL}" and got["causeCode"] == "EGRESS_REFUSED", got
+        # TEST-NET-1: no route from a sandbox, so nothing is sent anywhere.
+        t0 = time.monotonic()
+        got = tool({"op": "net", "host": "192.0.2.1", "port": 80})
+        assert time.monotonic() - t0 < 10, "a raw connect must fail at once"
+        assert got["code"] == "ENETUNREACH", got
+        assert "a sandbox has no network of its own: HTTP and HTTPS go through sandboxd's egress proxy" in got["message"], got
+        assert tool({"op": "env"})["env"]["SANDBOXD_EGRESS_SOCKET"] is None
+        assert tool({"op": "loaded"})["lookups"] == 0
+    finally:
+        proxy.close()
