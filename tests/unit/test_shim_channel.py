@@ -144,6 +144,20 @@ def test_an_endless_line_is_cut_off() -> None:
     asyncio.run(main())
 
 
+def test_an_over_long_line_is_refused_even_when_it_arrives_whole() -> None:
+    # A forged result past the limit must not pass because it came in one read.
+    async def main() -> None:
+        channel, sent, _progress, future = started_call(max_line=1024)
+        request_id = json.loads(sent[0])["id"]
+        answer = {"jsonrpc": "2.0", "id": request_id, "result": {"status": "ok", "content": [], "pad": "x" * 2000}}
+        channel.feed(line(answer))
+        with pytest.raises(SandboxFailed) as info:
+            await future
+        assert "1024 bytes" in info.value.message
+
+    asyncio.run(main())
+
+
 # -- ShimSandbox: output budgets, reading, masking ------------------------------------------
 
 
