@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from sandboxd.config import Config, PoolConfig, email_db_path
+from sandboxd.config import Config, PoolConfig, SandboxConfig, email_db_path, shim_line_bytes
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
@@ -60,9 +60,6 @@ def requested_backend(flag: str | None, config: Config) -> BackendName:
     return "docker"
 
 
-def max_line_bytes(config: Config) -> int:
-    """The longest shim line accepted: as the daemon computes it (a result, JSON-escaped, plus framing)."""
-    return config.calls.max_result_bytes * 2 + (64 << 10)
 
 
 def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
@@ -79,7 +76,7 @@ def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
         return BackendChoice(docker_backend, "Docker")
     from sandboxd.sandbox.process_backend import ProcessBackend
 
-    return BackendChoice(ProcessBackend(max_line_bytes=max_line_bytes(config)), "the process backend was asked for")
+    return BackendChoice(ProcessBackend(max_line_bytes=shim_line_bytes(config.calls)), "the process backend was asked for")
 
 
 def _usable_docker(config: Config) -> tuple[Backend | None, str]:
@@ -88,7 +85,7 @@ def _usable_docker(config: Config) -> tuple[Backend | None, str]:
 
     from sandboxd.sandbox.docker_backend import LABEL_INSTANCE, DockerBackend
 
-    backend = DockerBackend(config.sandbox, instance=DEV_INSTANCE, max_line_bytes=max_line_bytes(config))
+    backend = DockerBackend(config.sandbox, instance=DEV_INSTANCE, max_line_bytes=shim_line_bytes(config.calls))
     if not backend.ping():
         return None, "the Docker engine is not reachable"
     api = backend.api()
@@ -142,8 +139,11 @@ class _StreamingBackend:
 
     async def start(self, spec: SandboxSpec) -> Sandbox:
         sandbox = await self._inner.start(spec)
-        sandbox.on_stderr = self._on_line  # type: ignore[attr-defined]  # every shim sandbox has it
+        sandbox.on_output(self._on_line)
         return sandbox
+
+    def reconfigure(self, config: SandboxConfig) -> None:
+        self._inner.reconfigure(config)
 
     async def destroy(self, sandbox: Sandbox) -> None:
         await self._inner.destroy(sandbox)

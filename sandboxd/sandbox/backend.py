@@ -12,9 +12,10 @@ import asyncio
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from sandboxd.config import SandboxConfig
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.transpile_cache import Esbuild
 
@@ -45,6 +46,27 @@ CONTAINER_USER = "/officer/user"
 CONTAINER_USER_TOOLS = "/officer/user/tools"
 CONTAINER_EMAIL_DB = "/officer/data/emails.db"
 CONTAINER_CACHE = "/officer/cache"  # the transpile cache (tools/transpile_cache.py), read-only
+
+
+def sandbox_env(*, home: str, tools_dir: str, user_tools_dir: str, email_db: str) -> dict[str, str]:
+    """The variables every sandbox gets (TOOLS.md, "Available Environment Variables"), by any backend."""
+    return {
+        "HOME": home,
+        "OFFICER_USER_HOME": home,
+        "OFFICER_USER_ROOT": home,
+        "PI_TOOLS_DIRS": f"{tools_dir}:{user_tools_dir}",
+        "OFFICER_EMAIL_DB": email_db,
+    }
+
+
+# Names a call's env may never set, even when calls.allowed_env lists them: the contract above,
+# the shim's own (SANDBOXD_*, checked by prefix) and the egress proxy variables the shim sets.
+RESERVED_ENV = frozenset(sandbox_env(home="", tools_dir="", user_tools_dir="", email_db="")) | frozenset(
+    {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"})
+
+
+def reserved_env(name: str) -> bool:
+    return name in RESERVED_ENV or name.startswith("SANDBOXD_")
 
 
 def container_entry_path(tool: Tool) -> str:
@@ -133,6 +155,10 @@ class Sandbox(Protocol):
         """Call ``callback`` once when the sandbox dies or turns out hostile (not when destroyed by the pool)."""
         ...
 
+    def on_output(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback`` with each line of tool output (stderr, stdout) as it arrives (`sandboxd run`)."""
+        ...
+
     def pause_reading(self) -> None:
         """Stop reading the sandbox's protocol stream: the running call's client reads no more.
 
@@ -146,7 +172,12 @@ class Sandbox(Protocol):
         ...
 
 
-class Backend(Protocol):
+SandboxT = TypeVar("SandboxT", bound=Sandbox)
+
+
+class Backend(Protocol[SandboxT]):
+    """Generic over its own sandbox type: ``destroy`` takes back what ``start`` made."""
+
     name: str
 
     @property
@@ -154,11 +185,15 @@ class Backend(Protocol):
         """How calls reach a sandbox's shim, as `sandbox/status` reports it."""
         ...
 
-    async def start(self, spec: SandboxSpec) -> Sandbox:
+    async def start(self, spec: SandboxSpec) -> SandboxT:
         """Start a sandbox and wait until its shim is ready. Raises BackendUnavailable."""
         ...
 
-    async def destroy(self, sandbox: Sandbox) -> None:
+    def reconfigure(self, config: SandboxConfig) -> None:
+        """New sandbox settings (a reload), for sandboxes started from now on."""
+        ...
+
+    async def destroy(self, sandbox: SandboxT) -> None:
         """Kill and remove the sandbox. Idempotent; never raises."""
         ...
 

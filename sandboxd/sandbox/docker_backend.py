@@ -44,6 +44,7 @@ from sandboxd.sandbox.backend import (
     EgressSession,
     SandboxSpec,
     container_entry_path,
+    sandbox_env,
 )
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
@@ -94,17 +95,6 @@ def shim_dir_problem(info: dict[str, Any], shim_dir: Path) -> str | None:
     if any("name=rootless" in option.split(",") for option in options):
         return f"the Docker engine is rootless and cannot see {shim_dir}; {ATTACH_HINT}"
     return None
-
-
-def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
-    """The variables the daemon sets (TOOLS.md, "Available Environment Variables")."""
-    return {
-        "HOME": CONTAINER_USER,
-        "OFFICER_USER_HOME": CONTAINER_USER,
-        "OFFICER_USER_ROOT": CONTAINER_USER,
-        "PI_TOOLS_DIRS": f"{CONTAINER_TOOLS}:{CONTAINER_USER_TOOLS}",
-        "OFFICER_EMAIL_DB": CONTAINER_EMAIL_DB,
-    } | ({CACHE_ENV: CONTAINER_CACHE} if spec.transpile_cache is not None else {})
 
 
 class _ShimListener:
@@ -504,7 +494,7 @@ class DockerBackend:
         loop = asyncio.get_running_loop()
         sandbox.shim_transport, _ = await loop.create_connection(lambda: _ShimSocketProtocol(sandbox), sock=conn)
 
-    async def destroy(self, sandbox: DockerSandbox) -> None:  # type: ignore[override]
+    async def destroy(self, sandbox: DockerSandbox) -> None:
         sandbox.close_egress()
         sandbox.drain()
         sandbox.channel.shutdown()
@@ -623,7 +613,8 @@ class DockerBackend:
         # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
         tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}",
                  "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
-        environment = sandbox_env(spec)
+        environment = sandbox_env(home=CONTAINER_USER, tools_dir=CONTAINER_TOOLS, user_tools_dir=CONTAINER_USER_TOOLS,
+                                  email_db=CONTAINER_EMAIL_DB)
         if shim_dir is not None:
             mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
             environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from sandboxd.errors import BackendUnavailable, SandboxFailed
 from sandboxd.sandbox.backend import CallRequest, ProgressCallback, SandboxSpec
+
+if TYPE_CHECKING:
+    from sandboxd.config import SandboxConfig
 
 Handler = Callable[[CallRequest, ProgressCallback, asyncio.Event], Awaitable[dict[str, Any]]]
 
@@ -79,6 +82,15 @@ class FakeSandbox:
     def resume_reading(self) -> None:
         self.reading_paused = False
 
+    def on_output(self, callback: Callable[[str], None]) -> None:
+        pass  # a fake sandbox prints nothing
+
+    def stop(self) -> None:
+        """Destroyed by the pool: no exit callbacks (those are for deaths of its own)."""
+        self._alive = False
+        if self._task is not None:
+            self._task.cancel()
+
     def die(self, message: str = "the sandbox died") -> None:
         """Simulate the sandbox dying on its own (OOM, process.exit, killed)."""
         if not self._alive:
@@ -106,6 +118,7 @@ class FakeBackend:
         self.orphans: list[str] = []
         self.starts = 0
         self.calls_to_dead = 0
+        self.reconfigured: list[SandboxConfig] = []
         self._ids = itertools.count(1)
 
     async def start(self, spec: SandboxSpec) -> FakeSandbox:
@@ -118,15 +131,16 @@ class FakeBackend:
         self.sandboxes[sandbox.id] = sandbox
         return sandbox
 
-    async def destroy(self, sandbox: FakeSandbox) -> None:  # type: ignore[override]
+    async def destroy(self, sandbox: FakeSandbox) -> None:
         if self.destroy_delay:
             await asyncio.sleep(self.destroy_delay)
         if sandbox.id in self.sandboxes:
             del self.sandboxes[sandbox.id]
             self.destroyed.append(sandbox.id)
-        sandbox._alive = False
-        if sandbox._task is not None:
-            sandbox._task.cancel()
+        sandbox.stop()
+
+    def reconfigure(self, config: SandboxConfig) -> None:
+        self.reconfigured.append(config)
 
     async def list_owned(self) -> list[str]:
         return list(self.sandboxes) + list(self.orphans)

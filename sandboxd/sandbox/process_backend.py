@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sandboxd.config import REPO_ROOT
+from sandboxd.config import REPO_ROOT, SandboxConfig
 from sandboxd.errors import BackendUnavailable, SandboxFailed
-from sandboxd.sandbox.backend import SandboxSpec
+from sandboxd.sandbox.backend import SandboxSpec, sandbox_env
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 
 SHIM_MAIN = REPO_ROOT / "images" / "node" / "shim" / "src" / "main.js"
@@ -41,6 +41,17 @@ class ProcessSandbox(ShimSandbox):
         self._read_output = asyncio.Event()
         self._read_protocol.set()
         self._read_output.set()
+
+    async def kill(self) -> None:
+        """Kill the shim and its whole process group, and stop reading its pipes."""
+        self.drain()  # wait() below returns only once both pipes reached their ends
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await self.process.wait()
+        for task in self._pumps:
+            task.cancel()
 
     def _write(self, data: bytes) -> None:
         stdin = self.process.stdin
@@ -108,11 +119,8 @@ class ProcessBackend:
             path.mkdir(parents=True, exist_ok=True)
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            "HOME": str(spec.user_dir),
-            "OFFICER_USER_HOME": str(spec.user_dir),
-            "OFFICER_USER_ROOT": str(spec.user_dir),
-            "PI_TOOLS_DIRS": f"{spec.tools_dir}:{spec.user_tools_dir}",
-            "OFFICER_EMAIL_DB": str(spec.email_db or ""),
+            **sandbox_env(home=str(spec.user_dir), tools_dir=str(spec.tools_dir),
+                          user_tools_dir=str(spec.user_tools_dir), email_db=str(spec.email_db or "")),
             "SANDBOXD_UNSANDBOXED": "1",
         }
         try:
@@ -142,16 +150,9 @@ class ProcessBackend:
             raise BackendUnavailable(problem)
         return sandbox
 
-    async def destroy(self, sandbox: Any) -> None:
-        sandbox.drain()  # wait() below returns only once both pipes reached their ends
+    async def destroy(self, sandbox: ProcessSandbox) -> None:
         self._live.discard(sandbox)
-        try:
-            os.killpg(sandbox.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await sandbox.process.wait()
-        for task in sandbox._pumps:
-            task.cancel()
+        await sandbox.kill()
 
     async def list_owned(self) -> list[str]:
         return [s.id for s in self._live]
@@ -161,6 +162,9 @@ class ProcessBackend:
 
     async def preflight(self) -> None:
         pass  # local processes: nothing to see or not see
+
+    def reconfigure(self, config: SandboxConfig) -> None:
+        pass  # no sandbox settings apply to local processes
 
     def entry_path(self, tool: Any) -> str:
         return str(tool.entry)

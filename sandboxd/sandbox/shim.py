@@ -195,7 +195,7 @@ class ShimSandbox:
         self._exit_callbacks: list[Callable[[], None]] = []
         self._stderr_partial = b""
         # Called with each line of tool output as it arrives (`sandboxd run` shows them to the developer).
-        self.on_stderr: Callable[[str], None] | None = None
+        self._on_output: Callable[[str], None] | None = None
         # Every secret of every call this sandbox ran: its output is masked against all of them.
         self._secrets: frozenset[str] = frozenset()
         # The output budget: the limits of the latest call (defaults before the first one).
@@ -236,6 +236,9 @@ class ShimSandbox:
 
     def on_exit(self, callback: Callable[[], None]) -> None:
         self._exit_callbacks.append(callback)
+
+    def on_output(self, callback: Callable[[str], None]) -> None:
+        self._on_output = callback
 
     def pause_reading(self) -> None:
         """The running call's client stopped reading: stop reading the shim's protocol stream too."""
@@ -278,8 +281,8 @@ class ShimSandbox:
                 else:
                     _log.debug("tool_stderr", sandbox=self.id, line=f"({len(line)} characters, not logged: "
                                f"too many secrets to mask)")
-                if self.on_stderr is not None:
-                    self.on_stderr(line)
+                if self._on_output is not None:
+                    self._on_output(line)
 
     def _spend(self, size: int) -> None:
         """Charge output to the budget: an empty bucket pauses reading, idle output past its allowance breaks."""

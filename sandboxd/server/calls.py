@@ -27,7 +27,7 @@ from sandboxd import strictjson
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values
-from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox
+from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.rpc import is_request_id, notification
 from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
@@ -37,7 +37,6 @@ from sandboxd.users import check_user
 log = get_logger("sandboxd.calls")
 
 # Set by the daemon itself (TOOLS.md); a call may not override them.
-RESERVED_ENV = frozenset({"HOME", "OFFICER_USER_HOME", "OFFICER_USER_ROOT", "PI_TOOLS_DIRS", "OFFICER_EMAIL_DB"})
 
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
@@ -154,7 +153,7 @@ def _check_env(env: Any, allowed: list[str]) -> dict[str, str]:
         raise InvalidParams("'env' must be an object of string values.")
     problems = []
     for key, value in env.items():
-        if key in RESERVED_ENV:
+        if reserved_env(key):
             problems.append(f"{key} is set by sandboxd and cannot be overridden")
         elif key not in allowed:
             problems.append(f"{key} is not an allowed env name (allowed: {', '.join(allowed)}; see calls.allowed_env)")

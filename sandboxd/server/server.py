@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
-from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
+from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, shim_line_bytes
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import get_logger, set_log_level
@@ -52,7 +52,7 @@ def instance_id(config: Config) -> str:
 
 
 def make_backend(config: Config) -> Backend:
-    max_line = config.calls.max_result_bytes * 2 + (64 << 10)
+    max_line = shim_line_bytes(config.calls)
     if config.backend == "docker":
         from sandboxd.sandbox.docker_backend import DockerBackend
 
@@ -339,9 +339,7 @@ class Server:
         if any(key.startswith("egress.") for key in applied):
             self.egress.reconfigure(effective.egress)  # from the next request on; open tunnels stay
         if change.touches("sandbox"):
-            reconfigure = getattr(self.backend, "reconfigure", None)
-            if reconfigure is not None:
-                reconfigure(effective.sandbox)
+            self.backend.reconfigure(effective.sandbox)
             self.pool.retire_all()  # every later call runs under the new sandbox settings
         self.pool.maintain()  # new limits and min_idle take effect now, not at the next tick
         log.info("config_reloaded", applied=applied, needs_restart=ignored)

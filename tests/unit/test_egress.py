@@ -340,3 +340,16 @@ def test_a_sandboxs_traffic_is_held_to_egress_rate_bytes() -> None:
         return asyncio.get_running_loop().time() - started
 
     assert asyncio.run(scenario()) >= 1.9
+
+
+@pytest.mark.parametrize("name", ["HOME", "OFFICER_EMAIL_DB", "PI_TOOLS_DIRS", "HTTPS_PROXY", "http_proxy",
+                                  "NO_PROXY", "SANDBOXD_EGRESS_SOCKET", "SANDBOXD_ANYTHING"])
+def test_a_call_cannot_set_the_sandbox_contract_or_the_proxy_variables(name: str) -> None:
+    """Even when an operator lists them in calls.allowed_env: a call could otherwise point its
+    children's HTTPS_PROXY elsewhere (where no route leads anyway) or confuse the shim."""
+    from sandboxd.errors import InvalidParams
+    from sandboxd.server.calls import _check_env
+
+    with pytest.raises(InvalidParams, match=f"{name} is set by sandboxd and cannot be overridden"):
+        _check_env({name: "x"}, [name])
+    assert _check_env({"PI_SEARXNG_URL": "http://127.0.0.1:8888"}, ["PI_SEARXNG_URL"])
