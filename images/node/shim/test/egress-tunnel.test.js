@@ -53,7 +53,7 @@ test('CONNECT names the host as given, IPv6 in brackets', async () => {
   }
 });
 
-test('bytes after the 200 head belong to the tunnel: they are read first', async () => {
+test('bytes after the 200 head belong to the tunnel: they are read first', { timeout: 10000 }, async () => {
   respond = (sock) => sock.write('HTTP/1.1 200 Connection established\r\n\r\nEARLY');
   const sock = await egress.openTunnel('example.test', 80);
   const first = await new Promise((r) => sock.once('data', r));
