@@ -615,6 +615,8 @@ class DockerBackend:
                  "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
         environment = sandbox_env(home=CONTAINER_USER, tools_dir=CONTAINER_TOOLS, user_tools_dir=CONTAINER_USER_TOOLS,
                                   email_db=CONTAINER_EMAIL_DB)
+        if spec.transpile_cache is not None:
+            environment[CACHE_ENV] = CONTAINER_CACHE
         if shim_dir is not None:
             mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
             environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"

@@ -23,6 +23,7 @@ import pytest
 from sandboxd.client import Client
 
 from tests.e2e.conftest import Daemon
+from tests.e2e.results import ok, refused, text
 
 pytestmark = pytest.mark.docker
 
@@ -36,23 +37,6 @@ def call(client: Client, name: str, arguments: dict[str, Any], progress: list[st
         on_progress=(lambda p: progress.append(p["content"][0]["text"])) if progress is not None else None)
     assert result["status"] in ("ok", "error"), result  # the tool answered (no crash, no timeout)
     return result
-
-
-def text(result: dict[str, Any]) -> str:
-    return "\n".join(c["text"] for c in result["content"])
-
-
-def ok(result: dict[str, Any]) -> str:
-    assert result["isError"] is False, text(result)
-    return text(result)
-
-
-def refused(result: dict[str, Any], *words: str) -> str:
-    message = text(result)
-    assert result["isError"] is True, message
-    for word in words:
-        assert word in message, message
-    return message
 
 
 def user_dir(daemon: Daemon) -> Path:

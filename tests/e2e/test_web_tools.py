@@ -15,6 +15,7 @@ import pytest
 from sandboxd.client import Client
 
 from tests.web_site import RESULTS, Site, endless, page, redirect, searxng, serve, stall
+from tests.e2e.results import ok, refused, text
 
 pytestmark = pytest.mark.docker
 
@@ -34,23 +35,6 @@ def call(client: Client, name: str, arguments: dict[str, Any], env: dict[str, st
     result = client.request("tools/call", params)
     assert result["status"] in ("ok", "error"), result  # the tool answered (no crash, no timeout)
     return result
-
-
-def text(result: dict[str, Any]) -> str:
-    return "\n".join(c["text"] for c in result["content"])
-
-
-def ok(result: dict[str, Any]) -> str:
-    assert result["isError"] is False, text(result)
-    return text(result)
-
-
-def refused(result: dict[str, Any], *words: str) -> str:
-    message = text(result)
-    assert result["isError"] is True, message
-    for word in words:
-        assert word in message, message
-    return message
 
 
 def test_web_fetch_reaches_a_server_egress_allow_names(make_daemon: Any) -> None:
