@@ -70,6 +70,13 @@ const precompiledDir = process.env.SANDBOXD_TRANSPILE_CACHE;
 delete process.env.SANDBOXD_TRANSPILE_CACHE;
 loader.install({ warn: (m) => out.callLog(m), toolsDirs: process.env.PI_TOOLS_DIRS, precompiledDir });
 
+// stderr gone (the daemon that read it died, or a tool closed fd 2): nobody can hear this
+// shim any more. Reporting the EPIPE as a stray error would write to stderr again, and
+// fail again, for ever (seen: an orphaned shim at 84% CPU). Exit instead.
+process.stderr.on('error', (e) => {
+  if (e && (e.code === 'EPIPE' || e.code === 'EBADF')) process.exit(0);
+});
+
 // ---------------------------------------------------------------- protocol out
 
 function writeLine(text) {

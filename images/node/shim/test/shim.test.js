@@ -731,6 +731,23 @@ describe('fds', () => {
     assert.match(err, /\[fd_1\] console\.log line/);
   });
 
+  test('a shim whose stderr reader went away exits instead of spinning on EPIPE', async () => {
+    const proc = spawn(process.execPath, [MAIN], {
+      stdio: ['ignore', 'ignore', 'pipe', 'pipe', 'pipe'],
+      env: { ...process.env, SANDBOXD_SHIM_FDS: '3,4', SANDBOXD_SHIM_PREWARM: '0' },
+    });
+    let out3 = '';
+    proc.stdio[3].on('data', (d) => (out3 += d));
+    await waitFor(() => out3.includes('"ready"'), 'ready');
+    proc.stderr.destroy(); // the daemon that read the shim's stderr is gone
+    const exited = new Promise((r) => proc.on('exit', (code) => r(code)));
+    proc.stdio[4].write(`${JSON.stringify({ jsonrpc: '2.0', id: 1, method: 'call', params: { toolCallId: 'epipe_1', entry: entry('console-noise'), arguments: {} } })}\n`);
+    const timer = setTimeout(() => proc.kill('SIGKILL'), 10000);
+    const code = await exited;
+    clearTimeout(timer);
+    assert.equal(code, 0, 'killed after 10 s: the shim kept running with nobody reading its stderr');
+  });
+
   test('SANDBOXD_SHIM_SOCKET: the protocol runs over the daemon\'s socket, fds 3/4 are closed', async () => {
     const net = require('node:net');
     const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'shim-sock-'));
