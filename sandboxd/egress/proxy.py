@@ -41,6 +41,10 @@ STREAM_LIMIT = 16 << 10
 WRITE_HIGH_WATER = 32 << 10
 CHUNK = 16 << 10
 HOST_ADDRESSES_TTL_S = 60.0
+# Lookups can block for the resolver's whole timeout: a pool of their own, and at most
+# LOOKUPS_PER_SANDBOX of them per sandbox, so one sandbox's slow names cannot hold them all.
+DNS_THREADS = 8
+LOOKUPS_PER_SANDBOX = 2
 # Dropped from a forwarded request: they speak to the proxy, or ask for a connection we do not keep.
 _HOP_HEADERS = frozenset({b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"})
 
@@ -73,9 +77,8 @@ class EgressProxy:
     """The policy, the resolver and the counters every sandbox's session shares."""
 
     def __init__(self, config: EgressConfig, *, resolve: Resolve | None = None) -> None:
-        # Lookups may block for the resolver's whole timeout: a pool of their own keeps
-        # a tool asking for slow names from holding the threads Docker calls run on.
-        self._dns = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sandboxd-dns")
+        # Not the default executor: a tool asking for slow names must not hold the threads other work runs on.
+        self._dns = concurrent.futures.ThreadPoolExecutor(max_workers=DNS_THREADS, thread_name_prefix="sandboxd-dns")
         self._resolve = resolve or self._getaddrinfo
         self._host_addresses: frozenset[IPAddress] = frozenset()
         self._host_addresses_at = float("-inf")
@@ -112,10 +115,12 @@ class EgressProxy:
                 addresses.append(address)
         return addresses
 
-    async def decide(self, host: str, port: int) -> tuple[list[IPAddress], Verdict]:
+    async def decide(self, host: str, port: int, lookups: asyncio.Semaphore) -> tuple[list[IPAddress], Verdict]:
         """The addresses a connection may go to (in order), and the verdict; ``[]`` when refused.
 
-        Raises _Refused for a name that does not resolve (in time)."""
+        ``lookups`` bounds the sandbox's lookups in flight, counted until each one's thread is
+        done (a timed-out lookup still holds a thread). Raises _Refused for a name that does
+        not resolve (in time)."""
         policy = self.policy
         if policy.host_addresses is not self._own_addresses():
             policy = self.policy = self._policy(self.config)
@@ -128,7 +133,10 @@ class EgressProxy:
         else:
             try:
                 async with asyncio.timeout(self.config.connect_timeout_ms / 1000):
-                    addresses = await self._resolve(host, port)
+                    await lookups.acquire()
+                    lookup = asyncio.ensure_future(self._resolve(host, port))
+                    lookup.add_done_callback(lambda done: (lookups.release(), done.cancelled() or done.exception()))
+                    addresses = await asyncio.shield(lookup)
             except TimeoutError:
                 raise _Refused(504, f"egress to {host}:{port} failed: resolving the name took longer than "
                                     f"{self.config.connect_timeout_ms} ms (egress.connect_timeout_ms)",
@@ -174,6 +182,7 @@ class EgressSession:
         self._context = context
         self._connections: set[asyncio.Task[None]] = set()
         self._bucket = _Bucket(proxy.config.rate_bytes)
+        self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
 
     def __repr__(self) -> str:
         return f"<EgressSession {self.user} {self.sandbox_id} connections={len(self._connections)}>"
@@ -242,7 +251,7 @@ class EgressSession:
             await self._reply(writer, 400, "failed", f"egress request malformed: {exc}", reader)
             return
         try:
-            addresses, verdict = await self._proxy.decide(host, port)
+            addresses, verdict = await self._proxy.decide(host, port, self._lookups)
         except _Refused as refused:
             self._record("failed", refused.reason, host, port, None)
             await self._reply(writer, refused.status, "failed", refused.message, reader)

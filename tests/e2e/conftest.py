@@ -76,8 +76,8 @@ class Daemon:
         # would otherwise change what every test runs against. Sandboxes get the default: no
         # network of their own, the egress proxy (which tests only ever point at 127.0.0.1).
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOXD_")}
-        # netguard/sitecustomize.py: the daemon may connect to loopback only, whatever its policy says.
-        guard = str(Path(__file__).parent / "netguard")
+        # tests/netguard/sitecustomize.py: the daemon may connect to loopback only, whatever its policy says.
+        guard = str(Path(__file__).parent.parent / "netguard")
         pythonpath = os.pathsep.join(p for p in (guard, inherited.get("PYTHONPATH", "")) if p)
         self.env = {**inherited, "PYTHONPATH": pythonpath, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None

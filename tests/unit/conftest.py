@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# This process may open TCP/UDP connections to loopback only: a test of the egress policy that
+# let an address through by mistake fails here instead of sending a packet off the machine.
+import tests.netguard.sitecustomize  # noqa: F401,E402
+
 
 @pytest.fixture
 def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

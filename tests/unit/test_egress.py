@@ -353,3 +353,35 @@ def test_a_call_cannot_set_the_sandbox_contract_or_the_proxy_variables(name: str
     with pytest.raises(InvalidParams, match=f"{name} is set by sandboxd and cannot be overridden"):
         _check_env({name: "x"}, [name])
     assert _check_env({"PI_SEARXNG_URL": "http://127.0.0.1:8888"}, ["PI_SEARXNG_URL"])
+
+
+def test_one_sandbox_holds_at_most_two_lookups_even_after_they_time_out(no_connects: list[Any]) -> None:
+    """A slow name's lookup keeps its thread after the request gave up: it still counts, so one
+    sandbox's slow names cannot take every DNS thread from the others."""
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+        running: list[str] = []
+
+        async def slow(host: str, port: int) -> list[Any]:
+            running.append(host)
+            await release.wait()
+            return [ipaddress.ip_address("10.0.0.5")]  # refused by class: nothing is connected to
+
+        proxy = EgressProxy(EgressConfig(connect_timeout_ms=200), resolve=slow)
+        hostile = proxy.session("a@b.c", "s1", lambda: (None, frozenset()))
+        answers = await asyncio.gather(*(exchange(hostile, f"CONNECT slow{i}.test:443 HTTP/1.1\r\n\r\n".encode())
+                                         for i in range(3)))
+        assert all(a.startswith(b"HTTP/1.1 504") for a in answers), answers  # all gave up after 200 ms
+        assert sorted(running) == ["slow0.test", "slow1.test"]  # the third never got a lookup
+        late = await exchange(hostile, b"CONNECT slow3.test:443 HTTP/1.1\r\n\r\n")
+        assert late.startswith(b"HTTP/1.1 504") and len(running) == 2  # still held: their threads run on
+        other = asyncio.ensure_future(exchange(proxy.session("b@b.c", "s2", lambda: (None, frozenset())),
+                                               b"CONNECT other.test:443 HTTP/1.1\r\n\r\n"))
+        await asyncio.sleep(0.05)
+        assert "other.test" in running  # another sandbox looks up at once
+        release.set()
+        assert b"private address" in await other
+
+    asyncio.run(scenario())
+    assert no_connects == []
