@@ -25,7 +25,7 @@ import socket
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import docker
 import docker.errors
@@ -244,11 +244,39 @@ def _set_reading(transport: asyncio.Transport | None, on: bool) -> None:
         transport.pause_reading()
 
 
+def exit_message(state: dict[str, Any], memory: str, tail: str) -> str:
+    """Why a container ended (the engine's ``State``, empty when it did not answer), in words an agent can act on."""
+    code, oom = state.get("ExitCode"), bool(state.get("OOMKilled"))
+    if state.get("Running") and not oom:
+        message = ("The tool's sandbox closed its protocol connection during the call: a tool must not close "
+                   "the shim's file descriptors. The sandbox was stopped.")
+    elif oom:
+        message = (
+            f"The tool ran out of memory: its sandbox is limited to {memory} and was killed. "
+            "Process less data at once, stream it, or write it to a file."
+        )
+    elif not state:
+        message = ("The tool's sandbox stopped during the call, and the Docker engine did not say why "
+                   "(it may be restarting); the sandbox is replaced once the engine answers again.")
+    elif code == 0:
+        message = ("The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), "
+                   "not call process.exit() or close the shim's file descriptors.")
+    elif code == 137:
+        message = "The tool's sandbox was killed (SIGKILL) during the call."
+    else:
+        message = f"The tool's sandbox exited with code {code} during the call."
+    if tail and not oom:
+        message += f" Its last output:\n{tail}"
+    return message
+
+
 class DockerSandbox(ShimSandbox):
-    def __init__(self, backend: DockerBackend, container_id: str, user: str, max_line_bytes: int) -> None:
+    def __init__(self, container_id: str, user: str, max_line_bytes: int, *,
+                 inspect: Callable[[], Awaitable[dict[str, Any]]], memory: str) -> None:
         super().__init__(container_id[:12], user, max_line_bytes)
         self.container_id = container_id
-        self._backend = backend
+        self._inspect = inspect  # the engine's record of this container
+        self._memory = memory  # its limit, for the out-of-memory message
         self.transport: asyncio.Transport | None = None  # the attach stream
         self.shim_transport: asyncio.Transport | None = None  # the shim's socket (socket mode)
         self.attach: Any = None
@@ -311,7 +339,17 @@ class DockerSandbox(ShimSandbox):
                 pass
 
     async def exit_reason(self) -> SandboxFailed:
-        return await self._backend.exit_reason(self)
+        # The shim's socket closes the moment node dies; the container's exit (and the
+        # engine's record of why: OOM, exit code) follows. Wait for it, briefly.
+        try:
+            await asyncio.wait_for(self.attach_ended.wait(), EXIT_WAIT_S)
+        except TimeoutError:
+            pass
+        try:
+            state = (await self._inspect())["State"]
+        except Exception:
+            state = {}
+        return SandboxFailed(exit_message(state, self._memory, "\n".join(self.stderr_tail)))
 
 
 class DockerBackend:
@@ -450,7 +488,8 @@ class DockerBackend:
         sandbox: DockerSandbox | None = None
         try:
             attach = await self._run(self._attach, container_id, listener is None)
-            sandbox = DockerSandbox(self, container_id, spec.user, self.max_line_bytes)
+            sandbox = DockerSandbox(container_id, spec.user, self.max_line_bytes, memory=self.config.memory,
+                                    inspect=lambda: self._run(lambda: self.api().inspect_container(container_id)))
             sandbox.attach = attach  # the SDK's socket wrapper closes the fd when collected
             loop = asyncio.get_running_loop()
             raw = getattr(attach, "_sock", attach)
@@ -559,42 +598,6 @@ class DockerBackend:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._shim_dir is not None and self._shim_dir_is_temporary:
             shutil.rmtree(self._shim_dir, ignore_errors=True)
-
-    async def exit_reason(self, sandbox: DockerSandbox) -> SandboxFailed:
-        """Why a container ended, in words an agent can act on."""
-        # The shim's socket closes the moment node dies; the container's exit (and the
-        # engine's record of why: OOM, exit code) follows. Wait for it, briefly.
-        try:
-            await asyncio.wait_for(sandbox.attach_ended.wait(), EXIT_WAIT_S)
-        except TimeoutError:
-            pass
-        try:
-            state = (await self._run(lambda: self.api().inspect_container(sandbox.container_id)))["State"]
-        except Exception:
-            state = {}
-        code, oom = state.get("ExitCode"), bool(state.get("OOMKilled"))
-        tail = "\n".join(sandbox.stderr_tail)
-        if state.get("Running") and not oom:
-            message = ("The tool's sandbox closed its protocol connection during the call: a tool must not close "
-                       "the shim's file descriptors. The sandbox was stopped.")
-        elif oom:
-            message = (
-                f"The tool ran out of memory: its sandbox is limited to {self.config.memory} and was killed. "
-                "Process less data at once, stream it, or write it to a file."
-            )
-        elif not state:
-            message = ("The tool's sandbox stopped during the call, and the Docker engine did not say why "
-                       "(it may be restarting); the sandbox is replaced once the engine answers again.")
-        elif code == 0:
-            message = ("The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), "
-                       "not call process.exit() or close the shim's file descriptors.")
-        elif code == 137:
-            message = "The tool's sandbox was killed (SIGKILL) during the call."
-        else:
-            message = f"The tool's sandbox exited with code {code} during the call."
-        if tail and not oom:
-            message += f" Its last output:\n{tail}"
-        return SandboxFailed(message)
 
     # -- blocking Docker calls (run in the executor) ---------------------------
 

@@ -298,3 +298,21 @@ def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -
             own.close()
 
     asyncio.run(scenario())
+
+
+# --- why a sandbox ended ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("state", "words"), [
+    ({"OOMKilled": True, "ExitCode": 137}, "ran out of memory: its sandbox is limited to 96m"),
+    ({"ExitCode": 137}, "was killed (SIGKILL)"),
+    ({"ExitCode": 0}, "must return from execute()"),
+    ({"ExitCode": 3}, "exited with code 3"),
+    ({"Running": True}, "closed its protocol connection"),
+    ({}, "the Docker engine did not say why"),
+])
+def test_each_way_a_container_ends_gets_its_own_words(state: dict[str, Any], words: str) -> None:
+    from sandboxd.sandbox.docker_backend import exit_message
+
+    message = exit_message(state, "96m", "last line")
+    assert words in message
+    assert message.endswith("Its last output:\nlast line") != bool(state.get("OOMKilled"))
