@@ -51,6 +51,14 @@ function install(getTag, onWrite) {
   // process.stdout here is harmless; this must run after io.setupFds().
   process.stdout.write = makeWrite('stdout');
   process.stderr.write = makeWrite('stderr');
+  // Blocking writes, so a tool that prints faster than sandboxd reads (calls.output_rate_bytes)
+  // waits on the full pipe instead of its writes being dropped or queued. libuv opens each stdio
+  // pipe non-blocking, and fds 1 and 2 share one open file (the flag with it); that they were
+  // blocking before was a side effect of esbuild's child (a libuv child makes its inherited stdio
+  // blocking). With the transpile cache no esbuild starts, and a 24 MiB flood took 9 ms.
+  for (const stream of [process.stdout, process.stderr]) {
+    if (stream._handle && typeof stream._handle.setBlocking === 'function') stream._handle.setBlocking(true);
+  }
 
   return {
     /** A shim message on stderr, never tagged with a call. */
