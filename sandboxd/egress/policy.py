@@ -19,7 +19,12 @@ IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 PolicyName = Literal["public", "allow-list", "none"]
 
-_HOST_NAME = re.compile(r"^(\*\.)?([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+_HOST_NAME = re.compile(r"^([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+
+def is_host_name(host: str) -> bool:
+    """A DNS name in lower case (letters, digits, ``-``, ``_``; labels of 1-63, 253 in all)."""
+    return len(host) <= 253 and _HOST_NAME.match(host) is not None
 
 # Not the public internet, most specific first: the first match names the reason.
 _REFUSED_NETWORKS: tuple[tuple[str, str], ...] = (
@@ -103,7 +108,7 @@ class AllowEntry:
         else:
             return cls(text=raw, network=network, port=port)
         host = rest.lower().rstrip(".")
-        if len(host) > 253 or not _HOST_NAME.match(host):
+        if not is_host_name(host.removeprefix("*.")):
             raise ValueError(f"egress.allow entry {text!r} is not a host name, an IP address or a CIDR network "
                              "(e.g. searxng.internal:8080, 10.1.2.0/24, [fd00::5]:8080, *.example.com)")
         return cls(text=raw, host=host, port=port)

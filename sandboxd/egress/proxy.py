@@ -29,8 +29,9 @@ from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from sandboxd.config import EgressConfig
-from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
+from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
 from sandboxd.logging import get_logger, masking
+from sandboxd.sandbox.backend import EgressContext
 
 log = get_logger("sandboxd.egress")
 
@@ -49,17 +50,14 @@ LOOKUPS_PER_SANDBOX = 2
 _HOP_HEADERS = frozenset({b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"})
 
 Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]  # name, port → addresses; OSError if none
-# What the sandbox is doing now, for the log: the running tool (None when idle) and the
-# secrets its output is masked against.
-ContextProvider = Callable[[], tuple["str | None", frozenset[str]]]
 
 
 class _Refused(Exception):
-    """Answer the request with ``status`` and ``message``; ``decision`` is logged and counted."""
+    """The request failed (not by policy): answer ``status`` and ``message``; ``reason`` is logged and counted."""
 
-    def __init__(self, status: int, message: str, decision: str = "failed", reason: str = "") -> None:
+    def __init__(self, status: int, message: str, reason: str) -> None:
         super().__init__(message)
-        self.status, self.message, self.decision, self.reason = status, message, decision, reason or message
+        self.status, self.message, self.reason = status, message, reason
 
 
 _REASONS = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 503: "Service Unavailable",
@@ -99,7 +97,7 @@ class EgressProxy:
         """A new policy for requests from now on (tunnels already open stay)."""
         self.config, self.policy = config, self._policy(config)
 
-    def session(self, user: str, sandbox_id: str, context: ContextProvider) -> EgressSession:
+    def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession:
         return EgressSession(self, user, sandbox_id, context)
 
     def close(self) -> None:
@@ -175,7 +173,7 @@ def refusal_message(host: str, port: int, address: IPAddress | None, verdict: Ve
 class EgressSession:
     """One sandbox's egress: its connections (bounded), each one request."""
 
-    def __init__(self, proxy: EgressProxy, user: str, sandbox_id: str, context: ContextProvider) -> None:
+    def __init__(self, proxy: EgressProxy, user: str, sandbox_id: str, context: EgressContext) -> None:
         self._proxy = proxy
         self.user = user
         self.sandbox_id = sandbox_id
@@ -380,17 +378,9 @@ def _authority(text: str) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"{text[:200]!r}: {port_text[:20]!r} is not a port (1-65535)")
     host = host.lower().rstrip(".")
-    if parse_address(host) is None and not _is_host_name(host):
+    if parse_address(host) is None and not is_host_name(host):
         raise ValueError(f"{host[:200]!r} is not a host name or an IP address")
     return host, int(port_text)
-
-
-def _is_host_name(host: str) -> bool:
-    if not host or len(host) > 253:
-        return False
-    labels = host.split(".")
-    return all(0 < len(label) < 64 and all(c.isalnum() and c.isascii() or c in "-_" for c in label)
-               and not label.startswith("-") and not label.endswith("-") for label in labels)
 
 
 class _Bucket:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 from typing import Any, Iterator
 
@@ -187,3 +188,35 @@ def test_a_redirect_to_a_private_address_is_refused_at_its_hop(make_daemon: Any,
     assert web.paths == ["/redirect-private"]  # the first hop was served, the second never connected
     refused = daemon.events("egress", decision="refused", host=PRIVATE)
     assert refused and refused[-1]["port"] == 80
+
+
+# --- the proxy's own limits, against a hostile tool and a hostile client ---------------------
+
+def test_a_tool_holding_egress_connections_gets_503_past_the_cap(make_daemon: Any) -> None:
+    daemon = make_daemon(env={"SANDBOXD_EGRESS_MAX_CONNECTIONS": "4"})
+    seen = probe(daemon, "hold", port=4, request=f"CONNECT {PRIVATE}:80 HTTP/1.1\r\n\r\n")
+    assert seen["answer"].startswith("HTTP/1.1 503"), seen
+    assert "already holds 4 egress connections (egress.max_connections)" in seen["answer"], seen
+    # Once they are closed, the sandbox gets its answers again.
+    assert "refused by sandboxd's egress policy" in probe(daemon, "raw", request=f"CONNECT {PRIVATE}:80 HTTP/1.1\r\n\r\n")["answer"]
+
+
+def test_a_process_outside_the_sandbox_is_not_served_on_its_egress_socket(make_daemon: Any, web: _Server) -> None:
+    """The socket's directory is the daemon's (0700), but even root on the host, being another uid
+    than the sandbox's, gets no answer: only the sandbox's own processes are served."""
+    port = web.server_address[1]
+    daemon = allowing(make_daemon, web)
+    probe(daemon, "routes")  # a sandbox runs
+    shims = daemon.socket.parent / f"{daemon.socket.name}.shims"
+    [egress_socket, *_] = sorted(shims.glob("*/egress.sock"))
+    with socket.socket(socket.AF_UNIX) as client:
+        client.settimeout(10)
+        client.connect(str(egress_socket))
+        client.sendall(f"GET http://127.0.0.1:{port}/page HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        try:
+            answer = client.recv(100)
+        except ConnectionResetError:  # closed over the unread request
+            answer = b""
+        assert answer == b"", answer  # closed unanswered
+    assert web.paths == []
+    assert daemon.events("egress_foreign_peer"), "the refusal is logged"

@@ -27,6 +27,21 @@ function raw(request: string): Promise<unknown> {
   });
 }
 
+/** Open `count` connections that never send a request, then one that does: what does it get? */
+async function hold(count: number, request: string): Promise<unknown> {
+  const held: net.Socket[] = [];
+  for (let i = 0; i < count; i++) {
+    const sock = net.connect({ path: EGRESS_SOCKET });
+    sock.on("error", () => {});
+    await new Promise((resolve) => sock.once("connect", resolve));
+    held.push(sock);
+  }
+  await new Promise((resolve) => setTimeout(resolve, 200)); // each accepted by the daemon
+  const answer = await raw(request);
+  for (const sock of held) sock.destroy();
+  return answer;
+}
+
 function viaHttp(url: string): Promise<unknown> {
   return new Promise((resolve) => {
     const req = http.get(url, (res) => {
@@ -70,6 +85,8 @@ export async function execute(_id: string, params: Params) {
       });
     case "raw":
       return report(await raw(params.request ?? ""));
+    case "hold":
+      return report(await hold(params.port ?? 0, params.request ?? ""));
     case "fetch":
       try {
         const res = await fetch(params.url!, { signal: AbortSignal.timeout(15000) });
