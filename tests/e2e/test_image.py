@@ -222,6 +222,23 @@ def text(result: dict) -> str:
     return "\n".join(b.get("text", "") for b in result["content"])
 
 
+def test_a_process_left_by_a_call_retires_the_sandbox_after_warm_calls_skipped_the_proc_walk(shim):
+    """The leftover check walks /proc only when a process or thread was started since a clean
+    walk (leftovers.js): warm calls skip it, and a leftover after them is still found."""
+    s = shim()
+    for name in "ABCDE":
+        result, _ = s.call("hello", {"name": name})
+        assert "retire" not in result, result
+    stats = s.request("stats")["result"]
+    assert stats["leftoverChecks"] == 5 and stats["procWalks"] <= 2, stats
+    result, _ = s.call("leaver", {"kind": "thread"}, file="index.js")  # a new thread: walked, and no leftover
+    assert result["status"] == "ok" and "retire" not in result, result
+    assert s.request("stats")["result"]["procWalks"] == stats["procWalks"] + 1
+    result, _ = s.call("leaver", {"kind": "process"}, file="index.js")
+    assert result["status"] == "ok" and "process(es) still running after the call" in result.get("retire", ""), result
+    assert "sleep" in result["retire"], result
+
+
 def test_image_metadata(client):
     img = client.images.get(IMAGE)
     labels = img.labels or {}

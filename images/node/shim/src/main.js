@@ -309,8 +309,11 @@ function onLine(line) {
       process.exit(0);
       return;
     case 'stats':
-      // Debugging aid (not part of the protocol's contract): loader counters.
-      if (request) reply(msg.id, { ...loader.stats, calls, busy: current !== null });
+      // Debugging aid (not part of the protocol's contract): loader and leftover-check counters.
+      if (request) {
+        const { checks, walks } = leftovers.stats;
+        reply(msg.id, { ...loader.stats, calls, busy: current !== null, leftoverChecks: checks, procWalks: walks });
+      }
       return;
     default:
       if (request) replyError(msg.id, -32601, `unknown method: ${msg.method}`);
