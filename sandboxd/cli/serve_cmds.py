@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
+from typing import Callable
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
-from sandboxd.config import Config, check_unsandboxed, load_config, unsafe_settings
+from sandboxd.config import Config, ConfigError, check_unsandboxed, load_config, unsafe_settings
 from sandboxd.logging import configure_logging, get_logger
 
 
@@ -25,11 +26,26 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     p.set_defaults(handler=run_serve)
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop `serve` runs on (config event_loop); None is asyncio's default."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("event_loop is uvloop, but uvloop is not installed: pip install uvloop, "
+                              "or set event_loop: asyncio.") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run_serve(args: argparse.Namespace, config: Config) -> int:
     from sandboxd.server.server import serve
     from sandboxd.service.systemd import listen_socket
 
     check_unsandboxed(config)  # `sandboxd run` asks for the process backend by flag; a service must say so
+    loop_factory = event_loop_factory(config.event_loop)
     configure_logging(config.log_level, config.log_format)
     accepted = [name for name, _ in unsafe_settings(config) if name in config.allow_unsafe]
     if accepted:  # said at every start, so nobody forgets the sandbox is weakened
@@ -42,7 +58,8 @@ def run_serve(args: argparse.Namespace, config: Config) -> int:
 
     try:
         activated = listen_socket()  # the socket of sandboxd.socket, when systemd passed one
-        asyncio.run(serve(config, listen_socket=activated, reload_config=reload_config))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config, listen_socket=activated, reload_config=reload_config))
     except OSError as exc:
         return fail(str(exc), EXIT_FAILURE)
     return EXIT_OK

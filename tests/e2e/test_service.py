@@ -188,6 +188,7 @@ def test_socket_activation_with_readiness_and_restart(make_daemon: Any) -> None:
         early.close()
         listening = events(daemon, "listening")[-1]
         assert listening["activated"] is True and listening["socket"] == str(daemon.socket)
+        assert listening["event_loop"] == "uvloop"  # config event_loop: auto
         assert not events(daemon, "socket_mismatch")
 
         assert daemon.stop() == 0

@@ -81,3 +81,25 @@ def test_a_remote_engine_works_over_attach(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("sandbox:\n  docker_host: tcp://10.0.0.5:2376\n  transport: attach\n")
     assert load_config(path, environ={}).sandbox.transport == "attach"
+
+
+def test_event_loop_auto_is_uvloop_when_installed_and_asyncio_on_request() -> None:
+    import uvloop
+
+    from sandboxd.cli.serve_cmds import event_loop_factory
+
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert event_loop_factory("asyncio") is None  # asyncio.Runner's default loop
+
+
+def test_event_loop_uvloop_without_uvloop_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from sandboxd.cli.serve_cmds import event_loop_factory
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    assert event_loop_factory("auto") is None
+    with pytest.raises(ConfigError) as info:
+        event_loop_factory("uvloop")
+    assert "pip install uvloop" in info.value.message and "event_loop: asyncio" in info.value.message
