@@ -33,6 +33,7 @@ from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
             "density", "attach", "overhead")
+WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
 # Written by `python -m bench`. Defaults everywhere, except room for every benchmark user's sandboxes.
@@ -118,8 +119,11 @@ def run_floors(api: Any, cfg: SandboxConfig, run_id: str, args: argparse.Namespa
     return out
 
 
-def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_daemon(api: Any, cfg: SandboxConfig, root: Path, run_id: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    # The floors the daemon's warm and cold figures are compared with, sampled between them.
+    floors = None if "floors" in args.skip else f.FloorContainers(api, cfg, run_id)
+    echo = None if floors is None else f.EchoSession(floors)
     daemon = d.BenchDaemon(root, BENCH_CONFIG + f"sandbox:\n  image: {args.image}\n", fresh_tools=args.samples * 2)
     say(f"starting sandboxd (data {daemon.data}, log {daemon.log_path})")
     daemon.start()
@@ -130,12 +134,14 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
     try:
         out["ping"] = d.ping_latency(daemon, min(args.calls, 5000))
         if "latency" not in args.skip:
-            say(f"warm hello latency ({args.calls} sequential calls)")
+            with_floor = "" if echo is None else " alternating with the raw attach floor's"
+            say(f"warm hello latency, pre-encoded and through sandboxd.client ({args.calls} sequential calls each, "
+                f"in {WARM_ROUNDS} rounds{with_floor})")
             profiler = _start_profiler(daemon.pid, args.profile)
-            out["warm"] = d.warm_latency(daemon, user("warm"), args.calls, warmup=500)
+            rounds = d.warm_rounds(daemon, user("warm"), echo.round_trips if echo is not None else None, args.calls,
+                                   warmup=500, rounds=WARM_ROUNDS)
             _stop_profiler(profiler)
-            say(f"warm hello latency through sandboxd.client, requests encoded per call ({args.calls} sequential calls)")
-            out["plain_warm"] = d.plain_client_latency(daemon, user("warm"), args.calls, warmup=500)
+            out["warm"], out["plain_warm"], out["warm_floor"] = rounds["warm"], rounds["plain_warm"], rounds["floor"]
         if "node" not in args.skip:
             say(f"warm hello latency through @sandboxd/client from Node ({args.calls} sequential calls)")
             out["node_warm"] = d.node_client_latency(daemon, user("warm"), args.calls, warmup=500)
@@ -160,8 +166,9 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
             daemon.settle()
             out["returning"] = d.returning_user(daemon, user("back"), args.samples, _pause(args))
         if "cold" not in args.skip:
-            say(f"first call of a new user ({args.samples} users)")
-            out["cold"] = d.cold_first_call(daemon, [user(f"cold{i}") for i in range(args.samples)])
+            say(f"first call of a new user ({args.samples} users, each after a create→reply floor sample)")
+            out["cold"] = d.cold_first_call(daemon, [user(f"cold{i}") for i in range(args.samples)],
+                                            echo.create_to_reply if echo is not None else None)
             say(f"first call of a new user after their session's tools/list ({args.samples} users)")
             out["listed"] = d.listed_first_call(daemon, [user(f"listed{i}") for i in range(args.samples)])
         if "memory" not in args.skip:
@@ -179,6 +186,10 @@ def run_daemon(api: Any, root: Path, run_id: str, args: argparse.Namespace) -> d
         say(f"failed; the daemon's log ends with:\n{daemon.log_tail()}")
         raise
     finally:
+        if echo is not None:
+            echo.close()
+        if floors is not None:
+            floors.close()
         code = daemon.stop()
         leftovers = api.containers(all=True, filters={"label": f"org.sandboxd.instance={instance}"})
         for container in leftovers:
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "floors" not in args.skip:
             results["floors"] = run_floors(api, cfg, run_id, args)
-        results["daemon"] = run_daemon(api, root / "docker", run_id, args)
+        results["daemon"] = run_daemon(api, cfg, root / "docker", run_id, args)
         if "attach" not in args.skip:
             say("the same daemon over the attach transport (sandbox.transport: attach)")
             results["attach_transport"] = run_variant(

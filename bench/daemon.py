@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.load import daemon_call_line, process_cpu
 from bench.stats import summarize
@@ -198,21 +198,51 @@ def warm_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dic
         conn.close()
 
 
-def plain_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dict[str, Any]:
-    """The same warm hello calls through sandboxd.client (each request encoded, each answer decoded, GC on):
-    what a plain Python client sees, not the pre-encoded bytes of warm_latency."""
+def warm_rounds(daemon: BenchDaemon, user: str, floor: Callable[[int], list[float]] | None, count: int, warmup: int,
+                rounds: int = 5) -> dict[str, Any]:
+    """Back-to-back hello calls of one user, after a warm-up that loads hello: pre-encoded on a raw
+    connection (the client sends bytes, the GC off), and through sandboxd.client (each request
+    encoded and each answer decoded by json, the GC on: what a plain Python client sees). Each
+    gets ``count`` samples in ``rounds`` rounds that alternate with the attach floor's (``floor(n)``:
+    n round trips), so that all three share the machine's state: the floor's p50 alone moved by
+    half between runs minutes apart."""
     from sandboxd.client import Client
 
-    with Client(daemon.socket, timeout=60) as client:
-        for _ in range(warmup):
-            client.call_tool(user, "hello", {"name": "World"})
-        daemon.settle()
-        samples = []
-        for _ in range(count):
-            started = time.perf_counter()
-            client.call_tool(user, "hello", {"name": "World"})
-            samples.append(time.perf_counter() - started)
-    return summarize(samples)
+    chunk = max(1, count // rounds)
+    floor_samples: list[float] = []
+    warm_samples: list[float] = []
+    plain_samples: list[float] = []
+    cpu_s = 0.0
+    conn = daemon.connect()
+    try:
+        with Client(daemon.socket, timeout=60) as client:
+            template = daemon_call_line(user)
+            _check_ok(_call(conn, template, 0)[1], "the first hello call")
+            sequential_calls(conn, template, warmup, first_id=1)
+            for _ in range(warmup):
+                client.call_tool(user, "hello", {"name": "World"})
+            if floor is not None:
+                floor(warmup)
+            daemon.settle()
+            next_id = warmup + 1
+            for _ in range(rounds):
+                if floor is not None:
+                    floor_samples += floor(chunk)
+                cpu0 = process_cpu(daemon.pid)
+                warm_samples += sequential_calls(conn, template, chunk, first_id=next_id)
+                cpu_s += process_cpu(daemon.pid) - cpu0
+                next_id += chunk
+                for _ in range(chunk):
+                    started = time.perf_counter()
+                    client.call_tool(user, "hello", {"name": "World"})
+                    plain_samples.append(time.perf_counter() - started)
+    finally:
+        conn.close()
+    return {
+        "warm": {**summarize(warm_samples), "daemon_cpu_us_per_call": 1e6 * cpu_s / len(warm_samples)},
+        "plain_warm": summarize(plain_samples),
+        "floor": {**summarize(floor_samples), "rounds": rounds} if floor_samples else None,
+    }
 
 
 def node_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int) -> dict[str, Any]:
@@ -263,11 +293,17 @@ def listed_first_call(daemon: BenchDaemon, users: list[str]) -> dict[str, Any]:
     return summarize(times)
 
 
-def cold_first_call(daemon: BenchDaemon, users: list[str]) -> dict[str, Any]:
-    """The first call of a user never seen before: a sandbox starts on the caller's path."""
-    times, reported = [], []
+def cold_first_call(daemon: BenchDaemon, users: list[str], floor: Callable[[], float] | None = None) -> dict[str, Any]:
+    """The first call of a user never seen before: a sandbox starts on the caller's path.
+
+    With ``floor`` (one create→reply of an echo container), a floor sample is taken just
+    before each call, so that each pair meets the engine in the same state."""
+    times, reported, floors = [], [], []
     for user in users:
         daemon.settle()
+        if floor is not None:
+            floors.append(floor())
+            daemon.settle()
         conn = daemon.connect()
         try:
             elapsed, line = _call(conn, daemon_call_line(user), 1)
@@ -279,7 +315,10 @@ def cold_first_call(daemon: BenchDaemon, users: list[str]) -> dict[str, Any]:
     daemon.settle()
     time.sleep(0.2)
     waits = [e.get("queue_ms") for e in daemon.call_events(set(users))]
-    return {**summarize(times), "daemon_reported_ms": reported, "queue_ms": waits}
+    out = {**summarize(times), "daemon_reported_ms": reported, "queue_ms": waits}
+    if floors:
+        out["floor"] = summarize(floors)
+    return out
 
 
 def tool_first_call(daemon: BenchDaemon, user: str) -> dict[str, Any]:

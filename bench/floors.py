@@ -125,6 +125,26 @@ def attach_floor(floors: FloorContainers, count: int, warmup: int) -> tuple[dict
     return summary, cid
 
 
+class EchoSession:
+    """A started echo container and its attach stream, for floor samples taken between the daemon's."""
+
+    def __init__(self, floors: FloorContainers) -> None:
+        self._floors = floors
+        (self.cid,) = floors.started(1)
+        self._lines = attach(floors.api, self.cid)
+
+    def round_trips(self, count: int) -> list[float]:
+        return attach_round_trips(self._lines, count)
+
+    def create_to_reply(self) -> float:
+        """One create → attach → start → first reply of a fresh echo container, in seconds."""
+        return create_to_first_reply_samples(self._floors, 1)[0]
+
+    def close(self) -> None:
+        self._lines.close()
+        self._floors.remove(self.cid)
+
+
 def shim_round_trip(floors: FloorContainers, tools: Path, count: int, warmup: int) -> dict[str, Any]:
     """hello over a raw attach to the runner image's own shim: the sandbox without the daemon."""
     cid = floors.create(shim_tools=tools)
@@ -170,6 +190,10 @@ def attach_flood(floors: FloorContainers, cid: str, count: int) -> dict[str, Any
 
 def create_to_first_reply(floors: FloorContainers, count: int) -> dict[str, Any]:
     """docker create → attach → start → first reply, as the daemon starts a sandbox; the remove is not timed."""
+    return summarize(create_to_first_reply_samples(floors, count))
+
+
+def create_to_first_reply_samples(floors: FloorContainers, count: int) -> list[float]:
     samples = []
     for i in range(count):
         started = time.perf_counter()
@@ -181,7 +205,7 @@ def create_to_first_reply(floors: FloorContainers, count: int) -> dict[str, Any]
         samples.append(time.perf_counter() - started)
         lines.close()
         floors.remove(cid)
-    return summarize(samples)
+    return samples
 
 
 def _timed_runs(count: int, run: Callable[[], bytes]) -> dict[str, Any]:

@@ -59,7 +59,8 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     """(figure, sandboxd, floor or alternative, ratio, target, met) for every measured figure."""
     f, d = r.get("floors", {}), r.get("daemon", {})
     out: list[tuple[str, str, str, str, str, str]] = []
-    attach = f.get("attach", {})
+    # The floors sampled between the daemon's own rounds when there are (the same machine state), else the floors section's.
+    attach = d.get("warm_floor") or f.get("attach", {})
     warm = d.get("warm", {})
     if warm:
         p50 = ratio(warm.get("p50_ms"), attach.get("p50_ms"))
@@ -115,7 +116,8 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         ok = (row["calls_per_s"] >= 3000) if n == 16 else None
         out.append((f"throughput, {n} client{'s' if n > 1 else ''}", f"{row['calls_per_s']:,.0f} calls/s",
                     f"raw attach {floor:,.0f}/s" if floor else "", _x(ratio(row["calls_per_s"], floor)), target, _check(ok)))
-    cold, create = d.get("cold", {}), f.get("create_to_reply", {})
+    cold = d.get("cold", {})
+    create = cold.get("floor") or f.get("create_to_reply", {})
     if cold:
         c = ratio(cold.get("p50_ms"), create.get("p50_ms"))
         out.append(("first call of a new user (cold), p50", _ms(cold.get("p50_ms")),
