@@ -211,7 +211,7 @@ def run_density(root: Path, run_id: str, args: argparse.Namespace) -> dict[str, 
 
     instance = instance_id(load_config(overrides={"socket": daemon.socket, "data_path": daemon.data}, environ={}))
     try:
-        return d.density(daemon, run_id, args.density, DENSITY_CALLERS, min(args.calls, 5000))
+        return d.density(daemon, run_id, args.density, DENSITY_CALLERS, args.calls)
     except BaseException:
         say(f"failed; the daemon's log ends with:\n{daemon.log_tail()}")
         raise
