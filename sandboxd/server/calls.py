@@ -18,8 +18,8 @@ import asyncio
 import enum
 import functools
 import json
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -133,7 +133,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     arguments = validate_arguments(tool.schema, {} if arguments is None else arguments, tool=tool.name)
     tool_call_id = params.get("toolCallId")
     if tool_call_id is None:
-        tool_call_id = f"call_{uuid.uuid4().hex[:16]}"
+        tool_call_id = f"call_{secrets.token_hex(8)}"
     elif not isinstance(tool_call_id, str) or not tool_call_id or len(tool_call_id) > 256:
         raise InvalidParams("'toolCallId' must be a non-empty string of at most 256 characters.")
     env = _check_env(params.get("env"), config.calls.allowed_env)
