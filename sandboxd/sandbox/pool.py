@@ -296,7 +296,9 @@ class Pool:
         #    Not while the user's callers wait for starts: a second start at the same time slows
         #    theirs (docker create/start share the CPU); the spare follows once they are served.
         for user, last in self._last_call.items():
-            if now - last > cfg.idle_ttl_s or now < self._backoff_until.get(user, 0.0) or user in waiting:
+            # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
+            if now - last > cfg.idle_ttl_s or len(idle_of.get(user, ())) >= cfg.min_idle or user in waiting \
+                    or now < self._backoff_until.get(user, 0.0):
                 continue
             for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
                 if not self._make_room(user, plan, evict=False):
