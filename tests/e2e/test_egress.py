@@ -36,7 +36,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        body = b"hello through the proxy"
+        body = b"x" * int(self.path.split("/")[-1]) if self.path.startswith("/bytes/") else b"hello through the proxy"
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
@@ -199,6 +199,19 @@ def test_a_tool_holding_egress_connections_gets_503_past_the_cap(make_daemon: An
     assert "already holds 4 egress connections (egress.max_connections)" in seen["answer"], seen
     # Once they are closed, the sandbox gets its answers again.
     assert "refused by sandboxd's egress policy" in probe(daemon, "raw", request=f"CONNECT {PRIVATE}:80 HTTP/1.1\r\n\r\n")["answer"]
+
+
+def test_a_tool_downloading_as_fast_as_it_can_is_held_to_egress_rate_bytes(make_daemon: Any, web: _Server) -> None:
+    """256 KiB at egress.rate_bytes = 64 KiB/s, a second's worth at once: at least 3 s. The
+    same download at the default rate is not held (only a lower bound is asserted)."""
+    size, rate = 256 << 10, 64 << 10
+    url = f"http://127.0.0.1:{web.server_address[1]}/bytes/{size}"
+    fast = probe(allowing(make_daemon, web), "download", url=url)
+    assert fast["status"] == 200 and fast["bytes"] == size, fast
+    slow = probe(allowing(make_daemon, web, SANDBOXD_EGRESS_RATE_BYTES=str(rate)), "download", url=url)
+    assert slow["status"] == 200 and slow["bytes"] == size, slow
+    assert slow["ms"] >= 1000 * (size - rate) / rate * 0.9, slow  # the bucket held it
+    assert slow["ms"] > fast["ms"], (slow, fast)
 
 
 def test_a_process_outside_the_sandbox_is_not_served_on_its_egress_socket(make_daemon: Any, web: _Server) -> None:

@@ -94,6 +94,15 @@ export async function execute(_id: string, params: Params) {
       } catch (e) {
         return report(describe(e));
       }
+    case "download":
+      try {
+        const started = Date.now();
+        const res = await fetch(params.url!, { signal: AbortSignal.timeout(60000) });
+        const bytes = (await res.arrayBuffer()).byteLength;
+        return report({ status: res.status, bytes, ms: Date.now() - started });
+      } catch (e) {
+        return report(describe(e));
+      }
     case "http":
       return report(await viaHttp(params.url!));
     case "python":
