@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import tarfile
 import threading
@@ -164,16 +165,19 @@ class FillReport:
     written: int = 0
     present: int = 0
     skipped: int = 0
+    removed: int = 0  # entries no current source needs, and temporaries a killed daemon left
 
 
 def fill(root: Path, directory: Path, esbuild: Esbuild, *, container_root: str = CONTAINER_TOOLS) -> FillReport:
     """Transpile every source under ``root`` (the global tools) not yet in ``directory``.
 
     Entries are written whole (a temporary file renamed into place), so a sandbox reading
-    the folder meanwhile sees a file complete or not at all. Old entries stay: a key names
-    one exact source, so an entry can be unused but never wrong.
+    the folder meanwhile sees a file complete or not at all. Then every other file goes: a
+    key names one exact source, so an old entry is never wrong, only unused for ever (a tool
+    edited or removed since); a shim that still asks for one gets a miss and transpiles.
     """
     report = FillReport()
+    kept: set[str] = set()
     directory.mkdir(parents=True, exist_ok=True)
     # Readable by the sandbox uid whatever the daemon's umask: it holds only what /officer/tools shows.
     directory.chmod(0o755)
@@ -185,6 +189,7 @@ def fill(root: Path, directory: Path, esbuild: Esbuild, *, container_root: str =
             continue
         loader = LOADERS[path.suffix]
         target = directory / f"{key(esbuild.version, loader, filename, source)}.js"
+        kept.add(target.name)
         if target.exists():
             report.present += 1
             continue
@@ -199,7 +204,40 @@ def fill(root: Path, directory: Path, esbuild: Esbuild, *, container_root: str =
             file.write(code)
         os.replace(temporary, target)
         report.written += 1
+    report.removed = _remove_all_but(directory, kept)
     return report
+
+
+def _remove_all_but(directory: Path, kept: set[str]) -> int:
+    """Unlink every file of ``directory`` (the daemon's own: sandboxes mount it read-only) not in ``kept``."""
+    removed = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name not in kept and not entry.is_dir(follow_symlinks=False):
+                try:
+                    os.unlink(entry.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+_VERSION_DIR = re.compile(r"\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?")
+
+
+def remove_other_versions(data_path: Path, esbuild_version: str) -> list[str]:
+    """The caches of other esbuild versions (an image since replaced): no shim can hit them any more."""
+    parent = cache_dir(data_path, esbuild_version).parent
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name != esbuild_version and _VERSION_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
 
 
 class TranspileCache:
@@ -235,6 +273,9 @@ class TranspileCache:
     def _run(self) -> None:
         assert self._esbuild is not None
         directory = cache_dir(self.data_path, self._esbuild.version)
+        stale = remove_other_versions(self.data_path, self._esbuild.version)
+        if stale:
+            log.info("transpile_cache_removed", versions=stale, kept=self._esbuild.version)
         while True:
             self._wanted.wait()
             if self._stopping:
@@ -247,7 +288,7 @@ class TranspileCache:
                 log.warning("transpile_cache_failed", dir=str(directory), error=str(exc))
                 continue
             self.directory = directory
-            if report.written:
+            if report.written or report.removed:
                 log.info("transpile_cache_filled", dir=str(directory), written=report.written,
-                         present=report.present, skipped=report.skipped,
+                         present=report.present, skipped=report.skipped, removed=report.removed,
                          ms=round((time.monotonic() - started) * 1000, 1))

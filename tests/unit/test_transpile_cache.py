@@ -89,6 +89,33 @@ def test_a_fill_writes_each_entry_once_whole_and_readable(tmp_path: Path, esbuil
     assert all(path.stat().st_mode & 0o777 == 0o644 for path in entries) and cache.stat().st_mode & 0o777 == 0o755
 
 
+def test_a_fill_removes_the_entries_no_current_source_needs(tmp_path: Path, esbuild: Esbuild) -> None:
+    root = tools_root(tmp_path)
+    cache = tmp_path / "cache"
+    fill(root, cache, esbuild, container_root=str(root))
+    before = {path.name for path in cache.iterdir()}
+    (root / "hello" / "greet.ts").write_text(GREET_TS.replace("Hello", "Howdy"))  # edited: a new key
+    (cache / ".left.js.4242.1").write_text("half written by a daemon that was killed")
+    report = fill(root, cache, esbuild, container_root=str(root))
+    assert (report.written, report.present, report.removed) == (1, 1, 2), report
+    after = {path.name for path in cache.iterdir()}
+    assert len(after) == 2 and len(after & before) == 1  # index.ts's entry kept, greet.ts's replaced
+    shutil.rmtree(root / "hello")
+    assert fill(root, cache, esbuild, container_root=str(root)).removed == 2 and not list(cache.iterdir())
+
+
+def test_the_caches_of_other_esbuild_versions_are_removed(tmp_path: Path) -> None:
+    current = transpile_cache.cache_dir(tmp_path, "0.28.0")
+    for name in ("0.28.0", "0.27.3", "0.25.0-beta.1"):
+        (current.parent / name).mkdir(parents=True)
+        (current.parent / name / "x.js").write_text("1")
+    (current.parent / "notes").mkdir()  # not a version: not ours to judge
+    assert sorted(transpile_cache.remove_other_versions(tmp_path, "0.28.0")) == ["0.25.0-beta.1", "0.27.3"]
+    assert sorted(path.name for path in current.parent.iterdir()) == ["0.28.0", "notes"]
+    assert (current / "x.js").exists()
+    assert transpile_cache.remove_other_versions(tmp_path / "nothing", "0.28.0") == []
+
+
 def test_what_the_shim_would_not_find_or_must_report_itself_is_not_cached(tmp_path: Path, esbuild: Esbuild) -> None:
     root = tools_root(tmp_path)
     (root / "hello" / "node_modules" / "dep").mkdir(parents=True)
