@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -576,17 +577,29 @@ def _wait_for_quiet(busy_pct: float = 10.0, windows: int = 3, limit_s: float = 9
     return time.monotonic() - started
 
 
-def density(daemon: BenchDaemon, run_id: str, sizes: list[int], callers: int, calls: int) -> dict[str, Any]:
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over rounds measured apart (a p99 of one round moves with whatever else
+    ran on the machine then), with the rounds themselves kept."""
+    keys = ("p50_ms", "p99_ms", "p999_ms", "mean_ms", "daemon_cpu_us_per_call")
+    return {**{key: statistics.median(r[key] for r in rounds) for key in keys}, "rounds": rounds}
+
+
+def density(daemon: BenchDaemon, run_id: str, sizes: list[int], callers: int, calls: int,
+            rounds_per_size: int = 3) -> dict[str, Any]:
     """Users each holding one warm sandbox (min_idle 0), filled up to each size in turn; at each size
-    one user's warm calls, sandbox/status and tools/list against the same with that user alone."""
+    one user's warm calls (``rounds_per_size`` rounds of ``calls``, each figure their median),
+    sandbox/status and tools/list against the same with that user alone."""
     probe = f"dense-probe-{run_id}@bench.example"
     status = b'{"jsonrpc":"2.0","id":%d,"method":"sandbox/status"}\n'
     listing = b'{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"user":"' + probe.encode() + b'"}}\n'
 
     def measure() -> dict[str, Any]:
         daemon.settle(timeout=300)
-        quiet_s = _wait_for_quiet()  # dockerd and containerd work on for seconds after the last start
-        return {"quiet_after_s": quiet_s, "call": warm_latency(daemon, probe, calls, warmup=200),
+        quiet_s, rounds = [], []
+        for _ in range(rounds_per_size):  # each after a quiet machine: dockerd works on for seconds after a fill
+            quiet_s.append(_wait_for_quiet())
+            rounds.append(warm_latency(daemon, probe, calls, warmup=200))
+        return {"quiet_after_s": quiet_s, "call": median_round(rounds),
                 "status": _request_latency(daemon, status, 200), "list": _request_latency(daemon, listing, 200),
                 "daemon_rss_mb": process_rss_mb(daemon.pid), "sandboxes": daemon.status()["pool"]["totals"]["idle"]}
 

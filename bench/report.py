@@ -186,9 +186,10 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         out.append((f"{n} users each holding a warm sandbox: filling, sandboxes started per second",
                     f"{row['started_per_s']:.1f}/s", f"{dense['callers']} callers; the daemon's Docker calls on 16 threads",
                     "", "", "—"))
+        rounds = f", median of {len(call['rounds'])} rounds" if call.get("rounds") else ""
         for q in ("p50", "p99"):
             x = ratio(call.get(f"{q}_ms"), single.get(f"{q}_ms"))
-            out.append((f"… a warm call at {n} users, {q}", _ms(call.get(f"{q}_ms")),
+            out.append((f"… a warm call at {n} users, {q}{rounds}", _ms(call.get(f"{q}_ms")),
                         f"the same call with its user alone {_ms(single.get(f'{q}_ms'))}", _x(x), "≤ 1.5× alone",
                         _check(x is not None and x <= 1.5)))
         for key, what in (("status", "`sandbox/status`"), ("list", "`tools/list`")):
