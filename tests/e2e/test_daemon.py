@@ -92,6 +92,24 @@ def test_hello_round_trip_and_warm_pool(daemon: Daemon) -> None:
         assert pool["totals"]["busy"] == 0 and pool["counters"]["started"] == 2
 
 
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_either_event_loop_serves_calls_progress_and_cancels(make_daemon: Any, loop: str) -> None:
+    """event_loop: uvloop is the default (auto); asyncio stays a working choice, not a dead branch."""
+    daemon = make_daemon(env={"SANDBOXD_EVENT_LOOP": loop})
+    assert daemon.events("listening")[-1]["event_loop"] == loop
+    with daemon.client() as client:
+        assert call(client, "hello", {"name": loop})["content"] == [{"type": "text", "text": f"Hello, {loop}!"}]
+        seen: list[dict[str, Any]] = []
+        result = client.request("tools/call", {"user": A, "name": "progress", "arguments": {"steps": 3}},
+                                on_progress=seen.append)
+        assert result["status"] == "ok" and len(seen) == 3, (result, seen)
+        start_running(client, 7, "announcer", {"ms": 60000})
+        client.cancel(7, "stop")
+        cancelled = client.read_message()
+        assert cancelled["id"] == 7 and cancelled["result"]["status"] == "cancelled", cancelled
+        assert cancelled["result"]["details"]["aborted"] is True
+
+
 def test_cli_call_prints_the_result(daemon: Daemon) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "sandboxd", "call", "--socket", str(daemon.socket), "--user", A, "hello", "--arg", "name=World"],
