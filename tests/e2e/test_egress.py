@@ -201,6 +201,18 @@ def test_a_tool_holding_egress_connections_gets_503_past_the_cap(make_daemon: An
     assert "refused by sandboxd's egress policy" in probe(daemon, "raw", request=f"CONNECT {PRIVATE}:80 HTTP/1.1\r\n\r\n")["answer"]
 
 
+def test_a_tool_asking_for_many_slow_names_holds_two_lookups_at_most(make_daemon: Any, tmp_path: Any) -> None:
+    """Six CONNECTs at once to names whose lookup takes a second (the netguard's slow test names,
+    never a DNS query): the proxy resolves two of them at a time for one sandbox (LOOKUPS_PER_SANDBOX),
+    so its resolver threads stay free for the others; each is answered, as not resolving."""
+    log = tmp_path / "lookups"
+    daemon = make_daemon(env={"NETGUARD_LOOKUP_LOG": str(log), "NETGUARD_SLOW_LOOKUP_S": "1"})
+    answers = probe(daemon, "parallel", port=6, request="CONNECT n{i}.slow.test:443 HTTP/1.1\r\n\r\n")
+    assert len(answers) == 6 and all(a["answer"].startswith("HTTP/1.1 502") for a in answers), answers
+    assert all("the name does not resolve" in a["answer"] for a in answers), answers
+    assert log.read_text() == "2", "lookups of one sandbox in flight at once"
+
+
 def test_a_tool_downloading_as_fast_as_it_can_is_held_to_egress_rate_bytes(make_daemon: Any, web: _Server) -> None:
     """256 KiB at egress.rate_bytes = 64 KiB/s, a second's worth at once: at least 3 s. The
     same download at the default rate is not held (only a lower bound is asserted)."""

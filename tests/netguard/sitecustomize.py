@@ -1,13 +1,22 @@
 """Loaded by every daemon the e2e harness starts (PYTHONPATH): the daemon's process may open
-TCP/UDP connections to loopback only.
+TCP/UDP connections to loopback only, and resolves no names but /etc/hosts'.
 
 The tests point the egress proxy at private and metadata addresses to see them refused.
 Should the policy ever let one through, this turns the connect into an error here (the test
 then sees a failure, not a refusal, and goes red) instead of a packet leaving the machine.
+A name the hosts file does not hold would be a DNS query to the machine's resolver: it
+fails here as not found instead.
+
+Names ending in SLOW_SUFFIX take NETGUARD_SLOW_LOOKUP_S seconds and are then not found: a
+hostile tool asks for them to hold the proxy's lookups. The most of them in flight at once
+is written to NETGUARD_LOOKUP_LOG.
 """
 
 import ipaddress
+import os
 import socket
+import threading
+import time
 
 _connect = socket.socket.connect
 _connect_ex = socket.socket.connect_ex
@@ -36,3 +45,57 @@ def connect_ex(self: socket.socket, address: object) -> int:
 
 socket.socket.connect = connect  # type: ignore[method-assign]
 socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
+
+
+SLOW_SUFFIX = ".slow.test"
+_getaddrinfo = socket.getaddrinfo
+_lock = threading.Lock()
+_in_flight = _most_in_flight = 0
+_hosts_names: set[str] | None = None
+
+
+def _hosts() -> set[str]:
+    global _hosts_names
+    if _hosts_names is None:
+        names = set()
+        try:
+            with open("/etc/hosts") as f:
+                for line in f:
+                    names.update(name.lower() for name in line.split("#")[0].split()[1:])
+        except OSError:
+            names.add("localhost")
+        _hosts_names = names
+    return _hosts_names
+
+
+def _slow_lookup(name: str) -> None:
+    global _in_flight, _most_in_flight
+    with _lock:
+        _in_flight += 1
+        _most_in_flight = max(_most_in_flight, _in_flight)
+        log = os.environ.get("NETGUARD_LOOKUP_LOG")
+        if log:
+            with open(log, "w") as f:
+                f.write(str(_most_in_flight))
+    try:
+        time.sleep(float(os.environ.get("NETGUARD_SLOW_LOOKUP_S", "1")))
+    finally:
+        with _lock:
+            _in_flight -= 1
+    raise socket.gaierror(socket.EAI_NONAME, f"{name}: a slow test name, never found")
+
+
+def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+    name = host.decode() if isinstance(host, bytes) else host
+    if isinstance(name, str):
+        try:
+            ipaddress.ip_address(name.split("%")[0])
+        except ValueError:
+            if name.lower().endswith(SLOW_SUFFIX):
+                _slow_lookup(name)
+            if name.lower().rstrip(".") not in _hosts():
+                raise socket.gaierror(socket.EAI_NONAME, f"the test harness resolves no names but /etc/hosts' ({name})")
+    return _getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
+
+
+socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]

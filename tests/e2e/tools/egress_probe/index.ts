@@ -87,6 +87,9 @@ export async function execute(_id: string, params: Params) {
       return report(await raw(params.request ?? ""));
     case "hold":
       return report(await hold(params.port ?? 0, params.request ?? ""));
+    case "parallel": // `port` connections at once, each sending `request` with {i} its number
+      return report(await Promise.all(Array.from({ length: params.port ?? 1 }, (_, i) =>
+        raw((params.request ?? "").replaceAll("{i}", String(i))))));
     case "fetch":
       try {
         const res = await fetch(params.url!, { signal: AbortSignal.timeout(15000) });
