@@ -105,9 +105,25 @@ class PoolConfig(_Section):
     # Each replacement costs ~0.15 s of CPU (node, esbuild, docker create/start): at 500 a
     # busy daemon spent most of a core on them (docs/performance.md).
     max_calls_per_sandbox: int = Field(10_000, ge=1, description="A sandbox is recycled after this many calls.")
+    # Lambda's unreserved-concurrency floor, for users: while others hold the rest of the pool, a
+    # user with nothing running still finds a slot at once (docs/design.md, "Sharing the pool").
+    reserve: int | None = Field(None, ge=0, description="Sandboxes of max_total that only a user's first call may take, so that a user with nothing running is served while others hold the rest; null = max_total // 8 (4 of 32).")
     acquire_timeout_ms: int = Field(10_000, gt=0, description="How long a call may queue for a sandbox (then -32001).")
     start_timeout_ms: int = Field(30_000, gt=0, description="How long a sandbox may take to start and say ready.")
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long calls in flight may finish at shutdown.")
+
+    @model_validator(mode="after")
+    def _reserve_below_total(self) -> PoolConfig:
+        if self.reserve is not None and self.reserve >= self.max_total:
+            raise ValueError(f"reserve ({self.reserve}) must be below max_total ({self.max_total}): the reserve is "
+                             "the part of the pool kept for users' first calls, and calls beyond a user's first need "
+                             "the rest; lower pool.reserve or raise pool.max_total")
+        return self
+
+    @property
+    def reserved(self) -> int:
+        """The slots only a user's first call may take: ``reserve``, or max_total // 8 when unset."""
+        return self.reserve if self.reserve is not None else self.max_total // 8
 
 
 class SandboxConfig(_Section):

@@ -131,6 +131,12 @@ def format_status(status: dict[str, Any]) -> str:
     for user, row in sorted(pool["users"].items()):
         lines.append(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, "
                      f"{row.get('stopping', 0)} stopping, {row['waiting']} queued")
+    sharing, refusals = pool.get("sharing"), pool.get("refusals") or {}
+    if sharing:
+        lines.append(f"sharing: {sharing['activeUsers']} users active, a fair share of {sharing['fairShare']} "
+                     f"sandboxes each, the last {sharing['reserve']} kept for first calls; refused for want of a "
+                     f"sandbox: {refusals.get('user_limit', 0)} at the user's limit, {refusals.get('reserve', 0)} "
+                     f"by the reserve, {refusals.get('pool_full', 0)} with the pool full")
     if counters:
         lines.append(f"lifecycle: {counters.get('started', 0)} started, {counters.get('destroyed', 0)} destroyed, "
                      f"{counters.get('killed', 0)} killed, {counters.get('crashed', 0)} crashed, "

@@ -1,10 +1,20 @@
 """Warm sandboxes per user, modelled on httpcore's connection pool.
 
-The mutable state is two plain lists, ``_sandboxes`` and ``_waiters``, and it
-changes in one synchronous method, ``_plan``, which hands idle sandboxes to
-waiters and returns what to start and what to destroy. The backend calls (slow,
-fallible) happen after, in ``_apply``. A caller that is cancelled while it waits
-never leaks a slot: ``acquire`` gives back whatever it was handed.
+The mutable state is two plain lists, ``_sandboxes`` and ``_waiters``, and the
+decisions are made in one synchronous method, ``_plan``, which hands idle sandboxes
+to waiters and returns what to start and what to destroy. The backend calls (slow,
+fallible) happen after, in ``_apply``. Events only record what happened (a call
+ended, a start finished or failed, a sandbox died) and ask for a plan. One shortcut
+decides outside a full plan: a call whose user has an idle sandbox while nobody
+waits takes it (``_take_idle``, under the same rules as ``_plan``). A caller that is
+cancelled while it waits never leaks a slot: ``acquire`` gives back whatever it was
+handed.
+
+Users share the pool max-min fairly (docs/design.md, "Sharing the pool"): waiting
+users are served fewest-held first, a user holding more than a waiting user gives
+way at their next release, and the last ``pool.reserve`` slots only ever go to a
+user's first call, so a user with nothing running is served while others hold the
+rest.
 
 A sandbox being destroyed stays in ``_sandboxes`` (STOPPING) until the backend has
 removed it, so the limits bound the containers that exist, not just the usable
@@ -15,7 +25,9 @@ burning CPU while the engine works through their removals.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +41,8 @@ log = get_logger("sandboxd.pool")
 
 # After a failed start, warm-keeping (not callers) waits this long before trying again.
 START_BACKOFF_S = 1.0
+# Why a caller's wait for a sandbox ran out (sandboxd_pool_refusals_total{reason}).
+REFUSAL_REASONS = ("user_limit", "reserve", "pool_full")
 
 
 class State(enum.Enum):
@@ -36,6 +50,10 @@ class State(enum.Enum):
     IDLE = "idle"
     BUSY = "busy"
     STOPPING = "stopping"  # being destroyed; still counts against the limits
+
+
+# The states in which a sandbox is held for a call: busy, or starting for one (a spare's start counts too).
+HELD = (State.BUSY, State.STARTING)
 
 
 @dataclass(eq=False)
@@ -46,8 +64,9 @@ class PooledSandbox:
     calls: int = 0
     since: float = 0.0  # when it entered its current state
     generation: int = 0  # the sandbox settings it was started with (see retire_all)
-    # Events, read by _plan: its call ended and it must not serve another; its start failed.
-    discard: bool = False
+    # Events, read by _plan: its last call left it unfit for another (crashed, killed, old settings,
+    # max calls); its start failed.
+    spent: bool = False
     start_error: SandboxdError | None = None
 
     @property
@@ -82,7 +101,7 @@ class Pool:
         self._clock = clock
         # The pool's whole mutable state:
         self._sandboxes: list[PooledSandbox] = []
-        self._waiters: list[Waiter] = []
+        self._waiters: list[Waiter] = []  # in arrival order: a user's own callers are served first come, first served
         # The same sandboxes by user, in pool order: a call looks at its user's only (the fast path).
         self._of_user: dict[str, list[PooledSandbox]] = {}
         # Bookkeeping that _plan reads:
@@ -94,6 +113,8 @@ class Pool:
         self._generation = 0
         # killed: by sandboxd mid-call (timeout, cancel past the grace); crashed: died by itself.
         self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "killed": 0, "start_failures": 0}
+        # Callers whose wait ran out, by why (REFUSAL_REASONS).
+        self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
 
     # -- the public surface -------------------------------------------------
 
@@ -103,13 +124,12 @@ class Pool:
             raise ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
         loop = asyncio.get_running_loop()
         self._last_call[user] = self._clock()
-        pooled = self._idle_of(user) if not self._waiters else None
+        pooled = self._take_idle(user) if not self._waiters else None
         if pooled is not None:
             # The common call: nobody waits and the user has a usable idle sandbox. Only this user's
             # sandboxes are looked at; _plan walks them all (~1 ms per call at 500 users), so it runs
             # when anything else must happen, and every second from maintain().
-            pooled.state, pooled.since = State.BUSY, self._clock()
-            self._apply(self._spares(user))
+            self._apply(self._keep_warm(user, Plan(), self._clock(), self._ceiling()))
             return pooled
         waiter = Waiter(user, loop.create_future())
         self._waiters.append(waiter)
@@ -127,11 +147,7 @@ class Pool:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(waiter.future.result(), reusable=True, counted=False)
             if isinstance(exc, TimeoutError):
-                raise Overloaded(
-                    f"no sandbox for {user} became free within {timeout:g} s "
-                    f"(limits: {self.config.max_per_user} per user, {self.config.max_total} in all); retry later.",
-                    data={"pool": repr(self)},
-                ) from None
+                raise self._refusal(user, timeout) from None
             raise
 
     def warm(self, user: str) -> None:
@@ -142,13 +158,16 @@ class Pool:
         """
         if self._closing or self.config.min_idle == 0:
             return
-        if user not in self._last_call and len(self._sandboxes) >= self.config.max_total:
+        if user not in self._last_call and len(self._sandboxes) >= self._ceiling():
             # A full pool warms nobody new, and keeps no trace of them: listing costs no
             # sandbox, so a client could name endless made-up users, each one more entry
             # that every _plan walks.
             return
         self._last_call[user] = self._clock()
-        self._apply(self._spares(user) if not self._waiters else self._plan())
+        if self._waiters:
+            self._apply(self._plan())
+        else:
+            self._apply(self._keep_warm(user, Plan(), self._clock(), self._ceiling()))
 
     def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
         """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
@@ -162,9 +181,9 @@ class Pool:
                 self.stats["killed" if alive else "crashed"] += 1
             # Unusable, dead, or spent (old settings, max calls): _plan destroys it, at once.
             pooled.state, pooled.since = State.IDLE, now
-            pooled.discard = (not reusable or not alive or pooled.generation != self._generation
-                              or pooled.calls >= self.config.max_calls_per_sandbox)
-        if self._waiters or pooled.discard:  # else nothing changed for anyone else
+            pooled.spent = (not reusable or not alive or pooled.generation != self._generation
+                            or pooled.calls >= self.config.max_calls_per_sandbox)
+        if self._waiters or pooled.spent:  # else nothing changed for anyone else
             self._apply(self._plan())
 
     def retire_all(self) -> None:
@@ -216,23 +235,49 @@ class Pool:
         )
 
     def status(self) -> dict[str, Any]:
-        keys = ("starting", "idle", "busy", "stopping", "waiting")
+        """Counts by state, in all and per user (``holding``: busy or starting), the sharing rules, the counters."""
+        keys = ("starting", "idle", "busy", "stopping", "waiting", "holding")
         users: dict[str, dict[str, int]] = {}
         for pooled in self._sandboxes:
             row = users.setdefault(pooled.user, dict.fromkeys(keys, 0))
             row[pooled.state.value] += 1
+            if pooled.state in HELD:
+                row["holding"] += 1
         for waiter in self._waiters:
             users.setdefault(waiter.user, dict.fromkeys(keys, 0))["waiting"] += 1
         totals = {key: sum(row[key] for row in users.values()) for key in keys}
-        return {"totals": totals, "users": users, "counters": dict(self.stats)}
+        active = sum(1 for row in users.values() if row["holding"] or row["waiting"])
+        sharing = {"reserve": self.config.reserved, "activeUsers": active,
+                   # What max-min fairness gives each active user of a full pool.
+                   "fairShare": min(self.config.max_per_user, max(1, self.config.max_total // max(1, active)))}
+        return {"totals": totals, "users": users, "sharing": sharing, "counters": dict(self.stats),
+                "refusals": dict(self.refusals)}
 
-    # -- the state machine --------------------------------------------------
+    # -- the decisions --------------------------------------------------------
 
     def _alive(self, pooled: PooledSandbox) -> bool:
         return pooled.sandbox is not None and pooled.sandbox.alive
 
+    def _usable(self, pooled: PooledSandbox) -> bool:
+        return self._alive(pooled) and pooled.generation == self._generation
+
+    def _ceiling(self) -> int:
+        """How many sandboxes may be held in all before only users' first calls are served."""
+        return self.config.max_total - self.config.reserved
+
+    def _take_idle(self, user: str) -> PooledSandbox | None:
+        """The fast path: the user's first idle sandbox, busy now, if it is usable and the reserve allows."""
+        pooled = next((p for p in self._of_user.get(user, ()) if p.state is State.IDLE), None)
+        if pooled is None or not self._usable(pooled):
+            return None  # _plan destroys a dead or retired one, and decides what else to do
+        if len(self._sandboxes) >= self._ceiling() and self._count(user, *HELD) \
+                and sum(1 for p in self._sandboxes if p.state in HELD) >= self._ceiling():
+            return None  # into the reserve: _plan decides (only a first call may go there)
+        pooled.state, pooled.since = State.BUSY, self._clock()
+        return pooled
+
     def _plan(self) -> Plan:
-        """Match waiters with idle sandboxes; decide what to start and destroy. No awaits here."""
+        """Serve waiters, fairly across users; decide what to start and destroy. No awaits here."""
         plan = Plan()
         if self._closing:
             return plan
@@ -242,10 +287,16 @@ class Pool:
         #    retry re-checks the backend). Stop idle sandboxes that died, that a call left spent, that
         #    belong to users gone quiet, or beyond min_idle past the TTL.
         idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
+        held_total = 0
         ttl, last_call = cfg.idle_ttl_s, self._last_call
         for pooled in list(self._sandboxes):
             user, state = pooled.user, pooled.state
-            if state is State.STARTING and pooled.start_error is not None:
+            if state is State.BUSY:
+                held_total += 1
+            elif state is State.STARTING:
+                if pooled.start_error is None:
+                    held_total += 1
+                    continue
                 self._forget(pooled)
                 self._backoff_until[user] = now + START_BACKOFF_S
                 for waiter in [w for w in self._waiters if w.user == user]:
@@ -258,8 +309,8 @@ class Pool:
                 user_quiet = now - last_call.get(user, 0.0) > ttl
                 surplus = (len(kept) if kept else 0) >= cfg.min_idle and now - pooled.since > ttl
                 retired = pooled.generation != self._generation
-                if pooled.discard or not alive or user_quiet or surplus or retired:
-                    if not alive and not pooled.discard:  # died while idle (a discarded one was counted)
+                if pooled.spent or not alive or user_quiet or surplus or retired:
+                    if not alive and not pooled.spent:  # died while idle (a spent one was counted)
                         self.stats["crashed"] += 1
                     plan.destroy.append(self._stopping(pooled, now))
                 elif kept is None:
@@ -270,64 +321,136 @@ class Pool:
             if user not in self._of_user and not any(w.user == user for w in self._waiters):
                 del self._last_call[user]
 
-        # 2. Hand idle sandboxes to waiters, oldest waiter first.
+        # 2. Serve the waiting callers, fairly across users.
+        queues: dict[str, collections.deque[Waiter]] = {}
         for waiter in list(self._waiters):
             if waiter.future.done():  # cancelled or failed while queued
                 self._waiters.remove(waiter)
+            else:
+                queues.setdefault(waiter.user, collections.deque()).append(waiter)
+        if queues:
+            self._serve(queues, idle_of, held_total, plan, now)
+
+        # 3. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
+        #    Not while the user's callers wait for starts: a second start at the same time slows
+        #    theirs (docker create/start share the CPU); the spare follows once they are served.
+        ceiling = self._ceiling()
+        for user, last in self._last_call.items():
+            # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
+            if now - last > cfg.idle_ttl_s or len(idle_of.get(user, ())) >= cfg.min_idle or queues.get(user):
                 continue
-            idle = idle_of.get(waiter.user)
+            self._keep_warm(user, plan, now, ceiling)
+        return plan
+
+    def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
+               held_total: int, plan: Plan, now: float) -> None:
+        """Step 2 of _plan: max-min fair service of the waiting callers.
+
+        Users take turns, the one holding fewest first (ties: one with an idle sandbox of its
+        own, then the one waiting longest), one caller a turn. A turn is served by, cheapest
+        first: the user's own idle sandbox; a start in free room; room already on its way (a
+        sandbox being destroyed); an idle sandbox of another user, evicted: a spare of a user
+        with nobody waiting (the longest idle), else one of the user holding most, if that is
+        more than this user holds (they give way at their release). A user's callers beyond
+        those their starting sandboxes will serve need a turn each. Calls beyond a user's
+        first never take the last ``reserve`` slots (``_ceiling``).
+        """
+        cfg, ceiling = self.config, self._ceiling()
+        held = {user: self._count(user, *HELD) for user in queues}
+        covered = {user: self._count(user, State.STARTING) for user in queues}  # callers a start will serve
+        claimed = dict.fromkeys(queues, 0)  # room on its way or evicted for them, in this plan
+        room_coming = sum(1 for p in self._sandboxes if p.state is State.STOPPING)
+        arrival = {waiter: i for i, waiter in enumerate(self._waiters)}
+
+        def turn(user: str) -> tuple[int, int, int, str]:
+            return held[user], 0 if idle_of.get(user) else 1, arrival[queues[user][0]], user
+
+        heap = [turn(user) for user in queues]
+        heapq.heapify(heap)
+        while heap:
+            user = heapq.heappop(heap)[-1]
+            queue, idle = queues[user], idle_of.get(user)
+            if held[user] and held_total >= ceiling:
+                continue  # the reserve is for first calls: this user waits for a release
             if idle:
                 pooled = idle.pop(0)
                 pooled.state, pooled.since = State.BUSY, now
+                waiter = queue.popleft()
                 self._waiters.remove(waiter)
                 waiter.future.set_result(pooled)
+            elif len(queue) > covered[user]:
+                if len(self._of_user.get(user, ())) + claimed[user] >= cfg.max_per_user:
+                    continue  # at their own limit: their callers wait for their own releases
+                if len(self._sandboxes) < cfg.max_total:
+                    plan.start.append(self._new(user, now))
+                elif room_coming:
+                    room_coming -= 1
+                    claimed[user] += 1
+                else:
+                    victim = self._victim(user, held, queues, idle_of)
+                    if victim is None:
+                        continue  # nobody has anything to give up until a release
+                    idle_of[victim.user].remove(victim)
+                    plan.destroy.append(self._stopping(victim, now))
+                    claimed[user] += 1
+                covered[user] += 1
+            else:
+                continue  # every caller of theirs is covered by a start
+            held[user] += 1
+            held_total += 1
+            if queue and (len(queue) > covered[user] or idle_of.get(user)):
+                heapq.heappush(heap, turn(user))
 
-        # 3. Start sandboxes for waiters that starting sandboxes will not cover.
-        waiting: dict[str, int] = {}
-        for waiter in self._waiters:
-            waiting[waiter.user] = waiting.get(waiter.user, 0) + 1
-        for user, count in waiting.items():
-            for _ in range(count - self._count(user, State.STARTING)):
-                if not self._make_room(user, plan, evict=True):
-                    break
-                plan.start.append(self._new(user, now))
-
-        # 4. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
-        #    Not while the user's callers wait for starts: a second start at the same time slows
-        #    theirs (docker create/start share the CPU); the spare follows once they are served.
-        for user, last in self._last_call.items():
-            # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
-            if now - last > cfg.idle_ttl_s or len(idle_of.get(user, ())) >= cfg.min_idle or user in waiting \
-                    or now < self._backoff_until.get(user, 0.0):
+    @staticmethod
+    def _victim(user: str, held: dict[str, int], queues: dict[str, collections.deque[Waiter]],
+                idle_of: dict[str, list[PooledSandbox]]) -> PooledSandbox | None:
+        """The idle sandbox of another user to evict for ``user``, or None (see ``_serve``)."""
+        best: tuple[tuple[int, float], PooledSandbox] | None = None
+        for owner, idle in idle_of.items():
+            if owner == user or not idle:
                 continue
-            for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
-                if not self._make_room(user, plan, evict=False):
-                    break
-                plan.start.append(self._new(user, now))
+            if owner not in queues:
+                key = (0, min(p.since for p in idle))  # a spare: the longest idle first
+            elif held[owner] > held[user]:
+                key = (1, -held[owner])  # gives way: the one holding most first
+            else:
+                continue
+            if best is None or key < best[0]:
+                best = key, min(idle, key=lambda p: p.since)
+        return best[1] if best is not None else None
+
+    def _keep_warm(self, user: str, plan: Plan, now: float, ceiling: int) -> Plan:
+        """min_idle for a user who called or listed within the TTL: start what is missing, in room
+        outside the reserve. It never evicts, and waits out the backoff after a failed start."""
+        if self._closing or now < self._backoff_until.get(user, 0.0):
+            return plan
+        cfg = self.config
+        for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
+            if len(self._of_user.get(user, ())) >= cfg.max_per_user or len(self._sandboxes) >= ceiling:
+                break
+            plan.start.append(self._new(user, now))
         return plan
+
+    def _refusal(self, user: str, timeout: float) -> Overloaded:
+        """Why ``user``'s wait ran out, counted by reason, in words that say what to do."""
+        cfg = self.config
+        mine, running = len(self._of_user.get(user, ())), self._count(user, *HELD)
+        if mine >= cfg.max_per_user:
+            reason, why = "user_limit", (f"{user} already holds {mine} sandboxes, the most one user may "
+                                         f"(pool.max_per_user: {cfg.max_per_user}); make fewer calls at once")
+        elif running and sum(1 for p in self._sandboxes if p.state in HELD) >= self._ceiling():
+            reason, why = "reserve", (f"{user} already runs {running} calls, and the last {cfg.reserved} of the "
+                                      f"pool's {cfg.max_total} sandboxes are kept for users' first calls "
+                                      "(pool.reserve)")
+        else:
+            reason, why = "pool_full", f"all {cfg.max_total} sandboxes are in use by other users (pool.max_total)"
+        self.refusals[reason] += 1
+        return Overloaded(f"no sandbox for {user} became free within {timeout:g} s: {why}; retry later.",
+                          data={"pool": repr(self), "reason": reason})
 
     def _count(self, user: str, *states: State) -> int:
         """The user's sandboxes in ``states``, counted afresh (a user has max_per_user at most)."""
         return sum(1 for pooled in self._of_user.get(user, ()) if pooled.state in states)
-
-    def _idle_of(self, user: str) -> PooledSandbox | None:
-        """The user's first idle sandbox (as _plan would hand out) if it is alive and current, else None."""
-        for pooled in self._of_user.get(user, ()):
-            if pooled.state is State.IDLE:
-                return pooled if self._alive(pooled) and pooled.generation == self._generation else None
-        return None
-
-    def _spares(self, user: str) -> Plan:
-        """Step 4 of _plan for one user, who just called or listed: start their min_idle if there is room."""
-        plan = Plan()
-        now = self._clock()
-        if self._closing or now < self._backoff_until.get(user, 0.0):
-            return plan
-        for _ in range(self.config.min_idle - self._count(user, State.IDLE, State.STARTING)):
-            if not self._make_room(user, plan, evict=False):
-                break
-            plan.start.append(self._new(user, now))
-        return plan
 
     def _forget(self, pooled: PooledSandbox) -> None:
         self._sandboxes.remove(pooled)
@@ -341,25 +464,6 @@ class Pool:
         self._sandboxes.append(pooled)
         self._of_user.setdefault(user, []).append(pooled)
         return pooled
-
-    def _make_room(self, user: str, plan: Plan, *, evict: bool) -> bool:
-        """True if one more sandbox for ``user`` fits now.
-
-        With ``evict``, a full pool stops another user's longest-idle sandbox; the room is
-        there once it is gone (its destroy re-plans), so one eviction at a time: while any
-        sandbox is stopping, room is already on its way.
-        """
-        if len(self._of_user.get(user, ())) >= self.config.max_per_user:  # stopping ones count too
-            return False
-        if len(self._sandboxes) < self.config.max_total:
-            return True
-        if not evict or any(p.state is State.STOPPING for p in self._sandboxes):
-            return False
-        others = [p for p in self._sandboxes if p.state is State.IDLE and p.user != user]
-        if others:
-            victim = min(others, key=lambda p: p.since)  # the longest idle
-            plan.destroy.append(self._stopping(victim, self._clock()))
-        return False
 
     # -- side effects -------------------------------------------------------
 

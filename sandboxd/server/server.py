@@ -258,6 +258,7 @@ class Server:
             "limits": {
                 "maxPerUser": cfg.pool.max_per_user,
                 "maxTotal": cfg.pool.max_total,
+                "reserve": cfg.pool.reserved,
                 "minIdle": cfg.pool.min_idle,
                 "idleTtlS": cfg.pool.idle_ttl_s,
                 "defaultTimeoutMs": cfg.calls.default_timeout_ms,

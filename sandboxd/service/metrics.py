@@ -55,6 +55,23 @@ class _ServerCollector:
             sandboxes.add_metric([state], status["totals"][state])
         yield sandboxes
         yield GaugeMetricFamily("sandboxd_calls_queued", "Calls waiting for a sandbox.", value=status["totals"]["waiting"])
+        # Per user, only for users holding or waiting now: the series are as many as the active users.
+        holding = GaugeMetricFamily("sandboxd_user_sandboxes_holding", "Sandboxes a user holds for calls (busy or "
+                                    "starting), for each user holding or waiting.", labels=["user"])
+        waiting = GaugeMetricFamily("sandboxd_user_calls_queued", "Calls of a user waiting for a sandbox, for each "
+                                    "user holding or waiting.", labels=["user"])
+        for user, row in sorted(status["users"].items()):
+            if row["holding"] or row["waiting"]:
+                holding.add_metric([user], row["holding"])
+                waiting.add_metric([user], row["waiting"])
+        yield holding
+        yield waiting
+        refusals = CounterMetricFamily("sandboxd_pool_refusals", "Calls refused because no sandbox became free "
+                                       "within pool.acquire_timeout_ms, by reason: user_limit (the user's "
+                                       "max_per_user), reserve (kept for first calls), pool_full.", labels=["reason"])
+        for reason, count in status["refusals"].items():
+            refusals.add_metric([reason], count)
+        yield refusals
         yield GaugeMetricFamily("sandboxd_calls_in_flight", "Calls accepted and not yet answered.", value=len(server.calls_in_flight))
         yield GaugeMetricFamily("sandboxd_connections", "Open client connections.", value=len(server.connections))
         counters = status["counters"]

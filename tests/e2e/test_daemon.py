@@ -72,7 +72,8 @@ def test_ping_list_and_status(daemon: Daemon) -> None:
         assert hello["documentation"].startswith("# Hello Tool")
         status = client.request("sandbox/status")
         assert status["backend"] == "docker" and status["transport"] == "socket" and status["version"]
-        assert status["pool"]["totals"] == {"starting": 0, "idle": 0, "busy": 0, "stopping": 0, "waiting": 0}
+        assert status["pool"]["totals"] == {"starting": 0, "idle": 0, "busy": 0, "stopping": 0, "waiting": 0,
+                                           "holding": 0}
 
 
 def test_hello_round_trip_and_warm_pool(daemon: Daemon) -> None:

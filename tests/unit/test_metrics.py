@@ -116,10 +116,18 @@ def test_rejected_calls_are_counted_with_their_reason(tmp_path: Path) -> None:
         await asyncio.sleep(0.02)
         reply = await call(server, "World")
         assert reply["error"]["code"] == -32001
+        assert reply["error"]["data"]["reason"] == "user_limit"
+        values = samples(server.metrics.render()[0].decode())  # while the first call still holds its sandbox
+        assert values[("sandboxd_user_sandboxes_holding", (("user", USER),))] == 1
+        assert values[("sandboxd_user_calls_queued", (("user", USER),))] == 0
         await first
         values = samples(server.metrics.render()[0].decode())
         assert values[("sandboxd_calls_total", (("status", "overloaded"), ("tool", "hello")))] == 1
+        assert values[("sandboxd_pool_refusals_total", (("reason", "user_limit"),))] == 1
+        assert values[("sandboxd_pool_refusals_total", (("reason", "pool_full"),))] == 0
+        assert ("sandboxd_user_sandboxes_holding", (("user", USER),)) not in values  # idle now: no series
         assert server.status()["calls"]["overloaded"] == 1
+        assert server.status()["pool"]["refusals"]["user_limit"] == 1
 
     run_server(tmp_path, test, pool={"min_idle": 0, "max_per_user": 1, "acquire_timeout_ms": 50})
 

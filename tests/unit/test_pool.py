@@ -111,7 +111,8 @@ def test_per_user_limit_queues_then_times_out_with_overloaded() -> None:
         assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
         with pytest.raises(Overloaded) as info:
             await pool.acquire("a@x.io")
-        assert "2 per user" in info.value.message
+        assert "a@x.io already holds 2 sandboxes" in info.value.message and "pool.max_per_user: 2" in info.value.message
+        assert info.value.data["reason"] == "user_limit" and pool.refusals["user_limit"] == 1
         # The timed-out waiter left nothing behind.
         assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
         assert len(held) == 2
@@ -188,23 +189,23 @@ def test_a_sandbox_being_destroyed_still_counts_against_the_limits() -> None:
     run(main())
 
 
-def test_a_full_pool_evicts_one_idle_sandbox_at_a_time() -> None:
+def test_a_full_pool_evicts_one_idle_sandbox_per_waiter_and_no_more() -> None:
     async def main() -> None:
         backend = FakeBackend()
         backend.destroy_delay = 0.05
-        pool = make_pool(backend, min_idle=0, max_total=2)
-        for user in ("a@x.io", "b@x.io"):
+        pool = make_pool(backend, min_idle=0, max_total=3)
+        for user in ("a@x.io", "b@x.io", "e@x.io"):
             pool.release(await pool.acquire(user), reusable=True)
         c = asyncio.ensure_future(pool.acquire("c@x.io"))
         d = asyncio.ensure_future(pool.acquire("d@x.io"))
         await settle()
-        # One eviction for the first waiter; the second waits for the room to appear.
-        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 1, waiting: 2]>"
-        assert (await c).user == "c@x.io"
+        # One eviction for each waiter, at once; the third idle sandbox stays.
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 2, waiting: 2]>"
+        assert (await c).user == "c@x.io" and (await d).user == "d@x.io"
         await settle()
-        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 1, waiting: 1]>"
-        assert (await d).user == "d@x.io"
-        assert len(backend.destroyed) == 2 and backend.starts == 4
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 2, stopping: 0, waiting: 0]>"
+        assert len(backend.destroyed) == 2 and backend.starts == 5
+        assert pool.status()["users"]["e@x.io"]["idle"] == 1  # the newest idle one was kept
 
     run(main())
 
@@ -368,7 +369,8 @@ def test_warm_never_evicts_and_does_nothing_without_min_idle_or_while_closing() 
         await settle()
         pool.warm("b@x.io")  # the pool is full: b's warm-up must not evict a's sandbox
         await settle()
-        assert pool.status()["users"] == {"a@x.io": {"starting": 0, "idle": 1, "busy": 0, "stopping": 0, "waiting": 0}}
+        assert pool.status()["users"] == {"a@x.io": {"starting": 0, "idle": 1, "busy": 0, "stopping": 0, "waiting": 0,
+                                                     "holding": 0}}
         cold = make_pool(FakeBackend(), min_idle=0)
         cold.warm("a@x.io")
         await settle()
@@ -432,3 +434,179 @@ def test_a_warm_call_looks_at_its_own_users_sandboxes_only(monkeypatch: pytest.M
         await pool.close(grace=0)
 
     run(main())
+
+
+# -- sharing the pool: max-min fairness and the reserve (docs/design.md, "Sharing the pool") -----
+
+
+async def hold(pool: Pool, user: str, count: int) -> list[asyncio.Future[Any]]:
+    """``count`` concurrent callers of ``user``, as futures (each resolves to its sandbox once served)."""
+    callers = [asyncio.ensure_future(pool.acquire(user)) for _ in range(count)]
+    await settle()
+    return callers
+
+
+def served(callers: list[asyncio.Future[Any]]) -> list[Any]:
+    return [c.result() for c in callers if c.done() and not c.cancelled() and c.exception() is None]
+
+
+def holding(pool: Pool) -> dict[str, tuple[int, int]]:
+    """user → (holding, waiting)."""
+    return {user: (row["holding"], row["waiting"]) for user, row in pool.status()["users"].items()}
+
+
+def test_a_user_with_nothing_running_is_served_from_the_reserve_while_others_hold_the_rest() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_per_user=4, max_total=8, reserve=2, acquire_timeout_ms=60_000)
+        heavy = {user: await hold(pool, user, 6) for user in ("h1@x.io", "h2@x.io")}
+        await settle()
+        # Calls beyond a user's first stop at max_total - reserve = 6 in all.
+        assert holding(pool) == {"h1@x.io": (4, 2), "h2@x.io": (2, 4)}
+        newcomers = {user: await hold(pool, user, 1) for user in ("n1@x.io", "n2@x.io")}
+        await settle()
+        assert all(served(callers) for callers in newcomers.values())
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 8, stopping: 0, waiting: 6]>"
+        # A third newcomer finds the pool full: it is next, at the first release.
+        late = await hold(pool, "n3@x.io", 1)
+        assert not served(late)
+        pool.release(served(heavy["h1@x.io"])[0], reusable=True)
+        await settle()
+        assert served(late) and late[0].result().user == "n3@x.io"
+        assert holding(pool)["h1@x.io"] == (3, 2)  # h1 gave way: its own waiter did not get the sandbox
+        for callers in [*heavy.values(), *newcomers.values(), late]:
+            for c in callers:
+                c.cancel()
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_freed_sandboxes_go_to_the_waiting_user_holding_fewest() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_per_user=4, max_total=4, reserve=0, acquire_timeout_ms=60_000)
+        a = await hold(pool, "a@x.io", 4)
+        b = await hold(pool, "b@x.io", 2)  # arrives first, holds nothing
+        c = await hold(pool, "c@x.io", 1)
+        assert holding(pool) == {"a@x.io": (4, 0), "b@x.io": (0, 2), "c@x.io": (0, 1)}
+        releases = iter(served(a))
+        pool.release(next(releases), reusable=True)
+        await settle()
+        assert holding(pool) == {"a@x.io": (3, 0), "b@x.io": (1, 1), "c@x.io": (0, 1)}
+        pool.release(next(releases), reusable=True)
+        await settle()
+        # c holds none and b one: c goes first, though b's second caller came earlier.
+        assert holding(pool) == {"a@x.io": (2, 0), "b@x.io": (1, 1), "c@x.io": (1, 0)}
+        pool.release(next(releases), reusable=True)
+        await settle()
+        assert holding(pool) == {"a@x.io": (1, 0), "b@x.io": (2, 0), "c@x.io": (1, 0)}
+        assert backend.starts == 7 and len(backend.destroyed) == 3  # each freed sandbox went to another user
+        for c_ in [*a, *b, *c]:
+            c_.cancel()
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_a_user_keeps_their_released_sandbox_unless_a_waiting_user_holds_fewer() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0, max_per_user=3, max_total=4, reserve=0, acquire_timeout_ms=60_000)
+        b = await hold(pool, "b@x.io", 2)
+        a = await hold(pool, "a@x.io", 3)  # two running, one waiting
+        assert holding(pool) == {"a@x.io": (2, 1), "b@x.io": (2, 0)}
+        pool.release(served(a)[0], reusable=True)
+        await settle()
+        # Without the sandbox a holds one, fewer than b: a's waiter gets it back, no start.
+        assert holding(pool) == {"a@x.io": (2, 0), "b@x.io": (2, 0)} and backend.starts == 4
+        more_b = await hold(pool, "b@x.io", 1)
+        pool.release(served(b)[0], reusable=True)
+        await settle()
+        # b would hold one, a holds two: b keeps its own.
+        assert holding(pool) == {"a@x.io": (2, 0), "b@x.io": (2, 0)} and backend.starts == 4 and served(more_b)
+        b += more_b
+        for c_ in [*a, *b]:
+            c_.cancel()
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_a_users_own_callers_are_served_first_come_first_served() -> None:
+    async def main() -> None:
+        pool = make_pool(min_idle=0, max_per_user=1, max_total=2, reserve=0, acquire_timeout_ms=60_000)
+        first = await pool.acquire("a@x.io")
+        queued = [asyncio.ensure_future(pool.acquire("a@x.io")) for _ in range(3)]
+        await settle()
+        order = []
+        sandbox = first
+        for _ in range(3):
+            pool.release(sandbox, reusable=True)
+            await settle()
+            (index,) = [i for i, c in enumerate(queued) if c.done() and i not in order]
+            order.append(index)
+            sandbox = queued[index].result()
+        assert order == [0, 1, 2]
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_spares_and_the_fast_path_stay_out_of_the_reserve() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=1, max_per_user=4, max_total=4, reserve=2, acquire_timeout_ms=50)
+        first = await pool.acquire("a@x.io")
+        await settle()
+        # One busy, one spare: two of four, the rest is the reserve.
+        assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
+        second = await pool.acquire("a@x.io")  # the spare, via the fast path: 2 held = the ceiling
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
+        with pytest.raises(Overloaded) as info:
+            await pool.acquire("a@x.io")
+        assert info.value.data["reason"] == "reserve" and "pool.reserve" in info.value.message
+        assert pool.refusals == {"user_limit": 0, "reserve": 1, "pool_full": 0}
+        # Another user's first call goes into the reserve.
+        b = await pool.acquire("b@x.io")
+        assert b.user == "b@x.io"
+        await settle()
+        assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 3, stopping: 0, waiting: 0]>"  # b gets no spare
+        # A released sandbox of a's, idle now, is not handed back past the ceiling by the fast path.
+        pool.release(second, reusable=True)
+        pool.release(b, reusable=True)
+        third = await pool.acquire("a@x.io")
+        assert third is second
+        with pytest.raises(Overloaded):
+            await pool.acquire("a@x.io")  # 2 held (first, third), b's idle one is not a's to take
+        status = pool.status()
+        assert status["sharing"] == {"reserve": 2, "activeUsers": 1, "fairShare": 4}
+        assert status["users"]["a@x.io"]["holding"] == 2
+        pool.release(first, reusable=True)
+        pool.release(third, reusable=True)
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_a_full_pool_refusal_says_so() -> None:
+    async def main() -> None:
+        pool = make_pool(min_idle=0, max_per_user=2, max_total=2, reserve=0, acquire_timeout_ms=50)
+        held = [await pool.acquire("a@x.io"), await pool.acquire("b@x.io")]
+        with pytest.raises(Overloaded) as info:
+            await pool.acquire("c@x.io")
+        assert info.value.data["reason"] == "pool_full" and "all 2 sandboxes are in use" in info.value.message
+        assert pool.refusals["pool_full"] == 1
+        for pooled in held:
+            pool.release(pooled, reusable=True)
+        await pool.close(grace=0)
+
+    run(main())
+
+
+def test_the_reserve_default_is_an_eighth_of_the_pool_and_must_leave_room() -> None:
+    assert PoolConfig().reserved == 4 and PoolConfig(max_total=3).reserved == 0
+    assert PoolConfig(max_total=10, reserve=3).reserved == 3
+    with pytest.raises(ValueError, match="must be below max_total"):
+        PoolConfig(max_total=4, reserve=4)

@@ -1,0 +1,159 @@
+"""Many users at once, for the noisy-neighbour tests: calls held open in threads, a bystander
+pinging and calling, and what the daemon spent (CPU from /proc, log bytes).
+
+Nothing here leaves the machine: the daemons are the e2e harness's (tests/e2e/conftest.py),
+and any server a test starts listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandboxd.client import Client, DaemonUnreachable, RpcError
+from tests.e2e.conftest import Daemon
+
+
+@dataclass
+class Outcome:
+    """One call made in the background: its result (or the error), and how long it took."""
+
+    user: str
+    result: dict[str, Any] | None = None
+    error: RpcError | None = None
+    seconds: float | None = None
+    answered_at: float | None = None  # time.monotonic()
+
+
+@dataclass
+class Background:
+    """Calls made from threads, one connection each; ``close`` disconnects them all (which cancels)."""
+
+    daemon: Daemon
+    outcomes: list[Outcome] = field(default_factory=list)
+    _clients: list[Client] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def call(self, user: str, tool: str, arguments: dict[str, Any], **extra: Any) -> Outcome:
+        outcome = Outcome(user)
+        client = self.daemon.client(timeout=None)
+        self._clients.append(client)
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                outcome.result = client.call_tool(user, tool, arguments, **extra)
+            except RpcError as exc:
+                outcome.error = exc
+            except (DaemonUnreachable, OSError):
+                return  # closed by close()
+            outcome.answered_at = time.monotonic()
+            outcome.seconds = outcome.answered_at - started
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self.outcomes.append(outcome)
+        return outcome
+
+    def wait(self, outcomes: list[Outcome], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(o.seconds is None for o in outcomes):
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+        for thread in self._threads:
+            thread.join(10)
+
+
+def wait_for_pool(daemon: Daemon, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+    """Poll sandbox/status until ``predicate(pool)`` holds; the pool's status then."""
+    deadline = time.monotonic() + timeout
+    pool: dict[str, Any] = {}
+    with daemon.client() as client:
+        while time.monotonic() < deadline:
+            pool = client.request("sandbox/status")["pool"]
+            if predicate(pool):
+                return pool
+            time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen within {timeout:g} s; the pool: {pool}\n{daemon.log()}")
+
+
+class Pinger:
+    """A bystander's pings, one after another on one connection, for as long as it runs."""
+
+    def __init__(self, daemon: Daemon, interval_s: float = 0.005) -> None:
+        self._daemon, self._interval = daemon, interval_s
+        self.seconds: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Pinger:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        with self._daemon.client(timeout=30) as client:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                client.request("ping")
+                self.seconds.append(time.perf_counter() - started)
+                self._stop.wait(self._interval)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def warm_call_seconds(daemon: Daemon, user: str, count: int) -> list[float]:
+    """``count`` hello calls of ``user`` one after another (the first, which may start a sandbox, not counted)."""
+    out = []
+    with daemon.client() as client:
+        for i in range(count + 1):
+            started = time.perf_counter()
+            result = client.call_tool(user, "hello", {"name": "bystander"})
+            elapsed = time.perf_counter() - started
+            assert result["status"] == "ok", result
+            if i:
+                out.append(elapsed)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used so far (its threads included)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Spent:
+    """What the daemon spent between entering and leaving: CPU seconds and log bytes."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+        self.cpu_s = self.log_bytes = self.wall_s = 0.0
+
+    def __enter__(self) -> Spent:
+        assert self._daemon.proc is not None
+        self._cpu, self._log, self._wall = cpu_seconds(self._daemon.proc.pid), self._daemon.log_path.stat().st_size, time.monotonic()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._daemon.proc is not None
+        self.cpu_s = cpu_seconds(self._daemon.proc.pid) - self._cpu
+        self.log_bytes = self._daemon.log_path.stat().st_size - self._log
+        self.wall_s = time.monotonic() - self._wall
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s else 0.0
