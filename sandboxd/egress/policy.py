@@ -13,10 +13,10 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Union
+from typing import Iterable, Literal
 
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
-IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+from sandboxd.egress.addresses import SCOPED, IPAddress, IPNetwork, refused_class
+
 PolicyName = Literal["public", "allow-list", "none"]
 
 _HOST_NAME = re.compile(r"^([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
@@ -25,52 +25,6 @@ _HOST_NAME = re.compile(r"^([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_]([
 def is_host_name(host: str) -> bool:
     """A DNS name in lower case (letters, digits, ``-``, ``_``; labels of 1-63, 253 in all)."""
     return len(host) <= 253 and _HOST_NAME.match(host) is not None
-
-# Not the public internet, most specific first: the first match names the reason.
-_REFUSED_NETWORKS: tuple[tuple[str, str], ...] = (
-    ("169.254.169.254/32", "the cloud metadata endpoint"),
-    ("fd00:ec2::254/128", "the cloud metadata endpoint"),
-    ("127.0.0.0/8", "loopback address"),
-    ("::1/128", "loopback address"),
-    ("0.0.0.0/8", "unspecified address"),
-    ("::/128", "unspecified address"),
-    ("10.0.0.0/8", "private address (RFC 1918)"),
-    ("172.16.0.0/12", "private address (RFC 1918)"),
-    ("192.168.0.0/16", "private address (RFC 1918)"),
-    ("100.64.0.0/10", "shared address space (RFC 6598, carrier-grade NAT)"),
-    ("169.254.0.0/16", "link-local address"),
-    ("fe80::/10", "link-local address"),
-    ("fc00::/7", "unique local address (IPv6 ULA)"),
-    ("224.0.0.0/4", "multicast address"),
-    ("ff00::/8", "multicast address"),
-    ("255.255.255.255/32", "broadcast address"),
-    ("240.0.0.0/4", "reserved address"),
-)
-_REFUSED = tuple((ipaddress.ip_network(net), why) for net, why in _REFUSED_NETWORKS)
-# IPv6 forms that carry an IPv4 address a gateway would reach: judged by that address.
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_SIX_TO_FOUR = ipaddress.ip_network("2002::/16")
-
-
-def refused_class(address: IPAddress, host_addresses: frozenset[IPAddress] = frozenset()) -> str | None:
-    """Why ``address`` is not on the public internet (a few words), or None if it is."""
-    if isinstance(address, ipaddress.IPv6Address):
-        embedded = address.ipv4_mapped
-        if embedded is None and address in _NAT64:
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-        if embedded is None and address in _SIX_TO_FOUR:
-            embedded = address.sixtofour
-        if embedded is not None:
-            why = refused_class(embedded, host_addresses)
-            return f"{why}, inside an IPv6 address" if why else None
-    for network, why in _REFUSED:
-        if address in network:
-            return why
-    if address in host_addresses:
-        return "an address of the daemon's own host"
-    if not address.is_global:
-        return "not a public address (reserved, documentation or benchmarking range)"
-    return None
 
 
 @dataclass(frozen=True)
@@ -177,6 +131,12 @@ class EgressPolicy:
                 return Verdict(True, f"egress.allow entry {entry.text}")
         if self.policy == "allow-list":
             return Verdict(False, "not in egress.allow")
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id is not None:
+            # Refused, not stripped: a scope (zone) id picks the link for a link-local or
+            # multicast address, neither of which is public, and the kernel ignores it on any
+            # other. A tool has no use for one but to make an address compare unequal to
+            # itself (the host-address check once fell for that), so none is guessed at.
+            return Verdict(False, SCOPED)
         why = refused_class(address, self.host_addresses)  # the more basic reason goes first
         if why is not None:
             return Verdict(False, why)

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from sandboxd.config import EgressConfig
+from sandboxd.egress.addresses import SCOPED
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
 from sandboxd.logging import get_logger, masking
 from sandboxd.sandbox.backend import EgressContext
@@ -165,6 +166,8 @@ def refusal_message(host: str, port: int, address: IPAddress | None, verdict: Ve
         hint = "the operator can add the port to egress.ports, or name host:port in egress.allow"
     elif verdict.reason.startswith("not in egress.allow"):
         hint = "the operator can add it to egress.allow"
+    elif verdict.reason == SCOPED:
+        hint = "send the address without its %zone, or the operator can allow it with egress.allow"
     else:
         hint = "the operator can allow it with egress.allow"
     return f"egress to {where} refused by sandboxd's egress policy: {verdict.reason}; {hint}"
@@ -326,12 +329,13 @@ async def _discard_request(reader: asyncio.StreamReader) -> None:
 
 
 def _reason_label(reason: str) -> str:
-    """A bounded label for the metrics: the reason's class, without hosts or entries."""
+    """A bounded label for the metrics: the reason's class, without hosts, entries, ranges or
+    the IPv6 form an IPv4 address came in (egress/addresses.py: "words (source), inside ...")."""
     if reason.startswith("egress.allow entry"):
         return "egress.allow"
     if reason.startswith("port "):
         return "port not allowed"
-    return reason.split(" (")[0].split(":")[0]
+    return reason.split(" (")[0].split(", ")[0].split(":")[0]
 
 
 def _parse(head: bytes) -> tuple[str, str, int, bytes]:

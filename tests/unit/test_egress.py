@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import random
 import socket
 from typing import Any
 
@@ -15,41 +16,158 @@ import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
 from sandboxd.egress import proxy as proxy_module
-from sandboxd.egress.policy import AllowEntry, EgressPolicy, refused_class
+from sandboxd.egress.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
+from sandboxd.egress.policy import AllowEntry, EgressPolicy
 from sandboxd.egress.proxy import EgressProxy
 
 PUBLIC_V4 = "93.184.215.14"  # only ever judged, never connected to
 PUBLIC_V6 = "2606:2800:21f:cb07:6820:80da:af6b:8b2c"
 
-REFUSED = [
-    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"),
-    ("10.0.0.5", "private address (RFC 1918)"), ("172.16.3.4", "private address (RFC 1918)"),
-    ("172.31.255.255", "private address (RFC 1918)"), ("192.168.1.1", "private address (RFC 1918)"),
-    ("169.254.169.254", "the cloud metadata endpoint"), ("fd00:ec2::254", "the cloud metadata endpoint"),
-    ("169.254.1.1", "link-local"), ("fe80::1", "link-local"),
-    ("100.64.0.1", "shared address space"), ("100.127.255.254", "shared address space"),
-    ("fd12:3456::1", "unique local"), ("fc00::1", "unique local"),
-    ("224.0.0.1", "multicast"), ("239.255.255.250", "multicast"), ("ff02::1", "multicast"),
-    ("0.0.0.0", "unspecified"), ("::", "unspecified"), ("255.255.255.255", "broadcast"), ("240.0.0.1", "reserved"),
-    ("192.0.2.1", "not a public address"), ("198.18.0.1", "not a public address"),
-    ("::ffff:10.0.0.5", "private address (RFC 1918), inside an IPv6 address"),
-    ("::ffff:127.0.0.1", "loopback address, inside an IPv6 address"),
-    ("64:ff9b::a00:5", "private address (RFC 1918), inside an IPv6 address"),
-    ("64:ff9b::a9fe:a9fe", "the cloud metadata endpoint, inside an IPv6 address"),
-    ("2002:a00:5::1", "private address (RFC 1918), inside an IPv6 address"),
+RFC1918 = "private address (RFC 1918)"
+LOOPBACK4 = "loopback address (RFC 1122)"
+METADATA = "the cloud metadata endpoint"
+SPECIAL = "special-purpose address"
+
+# Each range of IANA's IPv4 special-purpose registry (and multicast, metadata), with the exact reason.
+REFUSED_V4 = [
+    ("0.0.0.0", "unspecified address (RFC 1122)"), ("0.1.2.3", "unspecified address (RFC 791)"),
+    ("10.0.0.5", RFC1918), ("10.255.255.255", RFC1918),
+    ("100.64.0.1", "shared address space (RFC 6598, carrier-grade NAT)"),
+    ("100.127.255.254", "shared address space (RFC 6598, carrier-grade NAT)"),
+    ("127.0.0.1", LOOPBACK4), ("127.8.9.10", LOOPBACK4),
+    ("169.254.1.1", "link-local address (RFC 3927)"), ("169.254.169.254", METADATA),
+    ("168.63.129.16", "the cloud metadata endpoint (Azure WireServer)"),
+    ("172.16.3.4", RFC1918), ("172.31.255.255", RFC1918),
+    ("192.0.0.1", f"{SPECIAL} (IPv4 service continuity, RFC 7335)"),
+    ("192.0.0.8", f"{SPECIAL} (IPv4 dummy address, RFC 7600)"),
+    ("192.0.0.9", f"{SPECIAL} (PCP anycast, RFC 7723)"), ("192.0.0.10", f"{SPECIAL} (TURN anycast, RFC 8155)"),
+    ("192.0.0.170", f"{SPECIAL} (NAT64/DNS64 discovery, RFC 8880)"),
+    ("192.0.0.192", f"{SPECIAL} (IETF protocol assignments, RFC 6890)"),  # Oracle Cloud's metadata
+    ("192.0.2.1", "documentation address (RFC 5737)"), ("198.51.100.7", "documentation address (RFC 5737)"),
+    ("203.0.113.255", "documentation address (RFC 5737)"),
+    ("192.31.196.1", f"{SPECIAL} (AS112, RFC 7535)"), ("192.52.193.1", f"{SPECIAL} (AMT, RFC 7450)"),
+    ("192.88.99.1", f"{SPECIAL} (6to4 relay anycast, RFC 7526)"),
+    ("192.88.99.2", f"{SPECIAL} (6a44 relay anycast, RFC 6751)"),
+    ("192.168.1.1", RFC1918), ("192.175.48.6", f"{SPECIAL} (AS112, RFC 7534)"),
+    ("198.18.0.1", "benchmarking address (RFC 2544)"), ("198.19.255.255", "benchmarking address (RFC 2544)"),
+    ("224.0.0.1", "multicast address (RFC 5771)"), ("239.255.255.250", "multicast address (RFC 5771)"),
+    ("240.0.0.1", "reserved address (RFC 1112)"), ("255.255.255.254", "reserved address (RFC 1112)"),
+    ("255.255.255.255", "broadcast address (RFC 919)"),
 ]
 
+# Each range of IANA's IPv6 special-purpose registry, what lies outside 2000::/3, and every
+# form that carries an IPv4 address, judged by that address.
+REFUSED_V6 = [
+    ("::", "unspecified address (RFC 4291)"), ("::1", "loopback address (RFC 4291)"),
+    ("100::1", f"{SPECIAL} (discard-only, RFC 6666)"), ("100:0:0:1::1", f"{SPECIAL} (dummy prefix, RFC 9780)"),
+    ("2001:5::1", f"{SPECIAL} (IETF protocol assignments, RFC 2928)"),
+    ("2001:1::1", f"{SPECIAL} (PCP anycast, RFC 7723)"), ("2001:1::2", f"{SPECIAL} (TURN anycast, RFC 8155)"),
+    ("2001:1::3", f"{SPECIAL} (DNS-SD SRP anycast, RFC 9665)"), ("2001:2::1", "benchmarking address (RFC 5180)"),
+    ("2001:3::1", f"{SPECIAL} (AMT, RFC 7450)"), ("2001:4:112::1", f"{SPECIAL} (AS112, RFC 7535)"),
+    ("2001:10::1", f"{SPECIAL} (ORCHID, RFC 4843)"), ("2001:20::1", f"{SPECIAL} (ORCHIDv2, RFC 7343)"),
+    ("2001:30::1", f"{SPECIAL} (drone remote ID, RFC 9374)"),
+    ("2001:db8::1", "documentation address (RFC 3849)"), ("2620:4f:8000::42", f"{SPECIAL} (AS112, RFC 7534)"),
+    ("3fff::1", "documentation address (RFC 9637)"), ("3fff:fff:ffff::1", "documentation address (RFC 9637)"),
+    ("5f00::1", f"{SPECIAL} (SRv6 SIDs, RFC 9602)"),
+    ("fc00::1", "unique local address (RFC 4193)"), ("fd12:3456::1", "unique local address (RFC 4193)"),
+    ("fd00:ec2::254", METADATA), ("fe80::1", "link-local address (RFC 4291)"),
+    ("fec0::1", "site-local address (RFC 3879)"), ("ff02::1", "multicast address (RFC 4291)"),
+    ("ff0e::1", "multicast address (RFC 4291)"),
+    # outside 2000::/3: reserved, and nothing the registry names
+    ("4000::1", "not a global unicast address (outside 2000::/3, RFC 4291)"),
+    ("1234::1", "not a global unicast address (outside 2000::/3, RFC 4291)"),
+    ("64:ff9b:2::a00:1", "not a global unicast address (outside 2000::/3, RFC 4291)"),
+    ("::ffff:1:0:a00:1", "not a global unicast address (outside 2000::/3, RFC 4291)"),
+    # IPv4-mapped, ::ffff:0:0/96
+    ("::ffff:10.0.0.5", f"{RFC1918}, inside an IPv4-mapped address (10.0.0.5)"),
+    ("::ffff:127.0.0.1", f"{LOOPBACK4}, inside an IPv4-mapped address (127.0.0.1)"),
+    ("::ffff:a9fe:a9fe", f"{METADATA}, inside an IPv4-mapped address (169.254.169.254)"),
+    # IPv4-compatible, ::/96 (deprecated)
+    ("::a9fe:a9fe", f"{METADATA}, inside an IPv4-compatible address (169.254.169.254)"),
+    ("::7f00:1", f"{LOOPBACK4}, inside an IPv4-compatible address (127.0.0.1)"),
+    ("::2", "unspecified address (RFC 791), inside an IPv4-compatible address (0.0.0.2)"),
+    ("::c0a8:101", f"{RFC1918}, inside an IPv4-compatible address (192.168.1.1)"),
+    # IPv4-translated, ::ffff:0:0:0/96 (SIIT)
+    ("::ffff:0:7f00:1", f"{LOOPBACK4}, inside an IPv4-translated address (127.0.0.1)"),
+    ("::ffff:0:a9fe:a9fe", f"{METADATA}, inside an IPv4-translated address (169.254.169.254)"),
+    # NAT64, the well-known prefix 64:ff9b::/96
+    ("64:ff9b::a00:5", f"{RFC1918}, inside a NAT64 address (10.0.0.5)"),
+    ("64:ff9b::a9fe:a9fe", f"{METADATA}, inside a NAT64 address (169.254.169.254)"),
+    ("64:ff9b::7f00:1", f"{LOOPBACK4}, inside a NAT64 address (127.0.0.1)"),
+    # NAT64, local use 64:ff9b:1::/48: the /96 reading, and the /64, /56, /48 ones of RFC 6052
+    ("64:ff9b:1::a00:1", f"{RFC1918}, inside a local-use NAT64 address (10.0.0.1)"),
+    ("64:ff9b:1:0:a:0:100:0", f"{RFC1918}, inside a local-use NAT64 address (10.0.0.1 read as /64)"),
+    ("64:ff9b:1:8c0:a8:101:808:808", f"{RFC1918}, inside a local-use NAT64 address (192.168.1.1 read as /56)"),
+    ("64:ff9b:1:a08:8:808:808:808", f"{RFC1918}, inside a local-use NAT64 address (10.8.8.8 read as /48)"),
+    # 6to4, 2002::/16
+    ("2002:a00:5::1", f"{RFC1918}, inside a 6to4 address (10.0.0.5)"),
+    ("2002:a9fe:a9fe::1", f"{METADATA}, inside a 6to4 address (169.254.169.254)"),
+    ("2002:7f00:1::", f"{LOOPBACK4}, inside a 6to4 address (127.0.0.1)"),
+    # Teredo, 2001::/32: the client is the inverted low 32 bits, the server bits 32-63
+    ("2001:0:808:808::f5ff:fffe", f"{RFC1918}, inside a Teredo address (client 10.0.0.1)"),
+    ("2001:0:808:808::5601:5601", f"{METADATA}, inside a Teredo address (client 169.254.169.254)"),
+    ("2001:0:a00:1::f7f7:f7f7", f"{RFC1918}, inside a Teredo address (server 10.0.0.1)"),
+    ("2001:0:7f00:1::f7f7:f7f7", f"{LOOPBACK4}, inside a Teredo address (server 127.0.0.1)"),
+]
 
-@pytest.mark.parametrize(("address", "why"), REFUSED)
-def test_every_class_that_is_not_the_public_internet_is_refused(address: str, why: str) -> None:
-    assert why in (refused_class(ipaddress.ip_address(address)) or "public")
+# Public, and the IPv4-carrying forms of a public address: judged, never connected to.
+PUBLIC = [PUBLIC_V4, PUBLIC_V6, "8.8.8.8", "1.1.1.1", "2606:4700::1111", "2001:4860:4860::8888", "2c0f:fb50::1",
+          "::ffff:8.8.8.8", "::8.8.8.8", "::ffff:0:8.8.8.8", "64:ff9b::8.8.8.8", "2002:808:808::1",
+          "2001:0:808:404::f7f7:f7f7",  # Teredo: server 8.8.4.4, client 8.8.8.8
+          "64:ff9b:1:808:8:808:808:808",  # local-use NAT64 whose every reading is 8.8.8.8
+          "2001:200::1", "3fff:1000::1", "2620:4f:8001::1"]  # just past 2001::/23, 3fff::/20, 2620:4f:8000::/48
+
+# What the metrics may be labelled with: the class words, never an address or a range.
+LABELS = {"unspecified address", "private address", "shared address space", "loopback address",
+          "link-local address", "the cloud metadata endpoint", SPECIAL, "documentation address",
+          "benchmarking address", "multicast address", "reserved address", "broadcast address",
+          "unique local address", "site-local address", "not a global unicast address"}
+
+
+@pytest.mark.parametrize(("address", "why"), REFUSED_V4 + REFUSED_V6)
+def test_every_special_purpose_range_and_every_form_carrying_one_is_refused_naming_it(address: str,
+                                                                                       why: str) -> None:
+    assert refused_class(ipaddress.ip_address(address)) == why
     verdict = EgressPolicy("public").for_address(address, 443, ipaddress.ip_address(address))
-    assert not verdict.allowed and why in verdict.reason
+    assert not verdict.allowed and verdict.reason == why
+    assert proxy_module._reason_label(why) in LABELS
 
 
-@pytest.mark.parametrize("address", [PUBLIC_V4, PUBLIC_V6, "8.8.8.8", "64:ff9b::808:808"])
+@pytest.mark.parametrize(("entries", "name"), [(IPV4_SPECIAL, "IPv4"), (IPV6_SPECIAL, "IPv6")])
+def test_both_ends_of_every_range_in_the_tables_are_refused(entries: Any, name: str) -> None:
+    """A longer prefix inside a range names itself; nothing in a range is public."""
+    for net, _words, _source in entries:
+        network = ipaddress.ip_network(net)
+        for address in (network.network_address, network.broadcast_address):
+            assert refused_class(address) is not None, (name, net, address)
+
+
+def test_python_s_own_tables_find_nothing_non_global_that_the_policy_allows() -> None:
+    """The registries, not ``is_global``, decide; but whatever Python 3.11 calls non-global (a
+    seeded sample of the whole IPv4 space, the IPv6 one and the boundaries of both tables) is
+    refused here too, but for the forms judged by the public IPv4 address they carry."""
+    rng = random.Random(27)
+    sample: list[Any] = [ipaddress.IPv4Address(rng.getrandbits(32)) for _ in range(20000)]
+    sample += [ipaddress.IPv6Address(rng.getrandbits(128)) for _ in range(5000)]
+    sample += [ipaddress.IPv6Address((0x2 << 124) | rng.getrandbits(125)) for _ in range(5000)]  # 2000::/3
+    networks = [ipaddress.ip_network(net) for net, _w, _s in IPV4_SPECIAL + IPV6_SPECIAL]
+    networks += [ipaddress.ip_network(net) for net, _f, _c in IPV6_CARRIERS]
+    for network in networks:  # each range's ends, and the addresses just outside it
+        first, last = int(network.network_address), int(network.broadcast_address)
+        sample += [type(network.network_address)(value) for value in (first - 1, first, last, last + 1)
+                   if 0 <= value < 1 << network.max_prefixlen]
+    carriers = [ipaddress.ip_network(net) for net, _f, _c in IPV6_CARRIERS]
+    for address in sample:
+        if not address.is_global and not any(address in carrier for carrier in carriers):
+            assert refused_class(address) is not None, address
+        if isinstance(address, ipaddress.IPv4Address) and refused_class(address) is None:
+            assert address.is_global and not address.is_multicast, address
+
+
+@pytest.mark.parametrize("address", PUBLIC)
 def test_public_addresses_pass_on_the_allowed_ports(address: str) -> None:
     policy = EgressPolicy("public")
+    assert refused_class(ipaddress.ip_address(address)) is None
     assert policy.for_address("example.org", 443, ipaddress.ip_address(address)).allowed
     assert policy.for_address("example.org", 80, ipaddress.ip_address(address)).allowed
     refused = policy.for_address("example.org", 25, ipaddress.ip_address(address))
@@ -59,7 +177,29 @@ def test_public_addresses_pass_on_the_allowed_ports(address: str) -> None:
 def test_the_hosts_own_addresses_are_refused_even_when_public() -> None:
     own = ipaddress.ip_address(PUBLIC_V4)
     policy = EgressPolicy("public", host_addresses=frozenset({own}))
-    assert policy.for_address(PUBLIC_V4, 443, own).reason == "an address of the daemon's own host"
+    assert policy.for_address(PUBLIC_V4, 443, own).reason == OWN_HOST
+    # ... and inside an IPv6 form that carries it
+    mapped = ipaddress.ip_address(f"::ffff:{PUBLIC_V4}")
+    assert policy.for_address(str(mapped), 443, mapped).reason == f"{OWN_HOST}, inside an IPv4-mapped address ({own})"
+
+
+def test_a_scoped_literal_is_refused_and_the_host_check_ignores_scopes() -> None:
+    own = ipaddress.ip_address(PUBLIC_V6)
+    policy = EgressPolicy("public", host_addresses=frozenset({own}))
+    for text in (f"{PUBLIC_V6}%1", "2606:4700::1111%eth0", "fe80::1%eth0", "::1%lo", "::ffff:10.0.0.5%1"):
+        verdict = policy.for_address(text, 443, ipaddress.ip_address(text))
+        assert not verdict.allowed and verdict.reason == SCOPED, text
+    # The check itself compares without scope (frozenset membership would not).
+    assert ipaddress.ip_address(f"{PUBLIC_V6}%1") not in policy.host_addresses
+    assert refused_class(ipaddress.ip_address(f"{PUBLIC_V6}%1"), policy.host_addresses) == OWN_HOST
+    assert refused_class(ipaddress.ip_address("fe80::1%eth0")) == "link-local address (RFC 4291)"
+    # An operator's egress.allow entry still passes it (a link-local address needs its zone to be reached).
+    allowed = EgressPolicy("public", ["[fe80::5]:8080"]).for_address("fe80::5%eth0", 8080,
+                                                                       ipaddress.ip_address("fe80::5%eth0"))
+    assert allowed.allowed and allowed.reason == "egress.allow entry [fe80::5]:8080"
+    # Under none, that is the reason.
+    assert EgressPolicy("none").for_address("x", 443, ipaddress.ip_address("fe80::1%1")).reason.startswith(
+        "egress.policy is none")
 
 
 def test_allow_entries_pass_private_destinations_by_name_network_and_port() -> None:
@@ -179,7 +319,9 @@ def no_connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("target", ["10.0.0.5:80", "169.254.169.254:80", "127.0.0.1:443", "[::1]:443",
-                                    "[::ffff:192.168.0.1]:443", "intranet.test:443"])
+                                    "[::ffff:192.168.0.1]:443", "intranet.test:443", "[::a9fe:a9fe]:80",
+                                    "[::7f00:1]:443", "[::ffff:0:7f00:1]:443", "[64:ff9b:1::a00:1]:443",
+                                    "[5f00::1]:443", "[3fff::1]:443", "[2606:4700::1111%1]:443", "[::1%lo]:443"])
 def test_refusals_answer_403_naming_the_policy_before_any_connect(target: str, no_connects: list[Any]) -> None:
     async def scenario() -> None:
         proxy, _ = make_proxy({"intranet.test": ["10.1.1.1"]})
