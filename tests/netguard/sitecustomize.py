@@ -1,5 +1,6 @@
 """Loaded by every daemon the e2e harness starts (PYTHONPATH): the daemon's process may open
-TCP/UDP connections to loopback only, and resolves no names but /etc/hosts'.
+TCP/UDP connections to loopback only (through socket.connect or uvloop's own), and resolves
+no names but /etc/hosts'.
 
 The tests point the egress proxy at private and metadata addresses to see them refused.
 Should the policy ever let one through, this turns the connect into an error here (the test
@@ -24,13 +25,17 @@ _connect_ex = socket.socket.connect_ex
 
 def _check(sock: socket.socket, address: object) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
-        host = str(address[0]).split("%")[0]
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False  # a name: the daemon never connects to names
-        if not loopback:
-            raise PermissionError(13, f"the test harness allows loopback connections only, not {host}")
+        _loopback_only(address[0])
+
+
+def _loopback_only(host: object) -> None:
+    text = str(host).split("%")[0]
+    try:
+        loopback = ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        loopback = False  # a name: the daemon never connects to names
+    if not loopback:
+        raise PermissionError(13, f"the test harness allows loopback connections only, not {text}")
 
 
 def connect(self: socket.socket, address: object) -> None:
@@ -45,6 +50,31 @@ def connect_ex(self: socket.socket, address: object) -> int:
 
 socket.socket.connect = connect  # type: ignore[method-assign]
 socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
+
+
+def _guard_uvloop() -> None:
+    """uvloop (the daemon's loop by default) connects in libuv, never through socket.connect:
+    its two ways to open a TCP connection get the same check."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    create_connection, sock_connect = uvloop.Loop.create_connection, uvloop.Loop.sock_connect
+
+    async def guarded_create_connection(self, factory, host=None, port=None, **kwargs):  # type: ignore[no-untyped-def]
+        if host is not None:  # None: sock=, a socket already connected (a unix one, say)
+            _loopback_only(host)
+        return await create_connection(self, factory, host, port, **kwargs)
+
+    async def guarded_sock_connect(self, sock, address):  # type: ignore[no-untyped-def]
+        _check(sock, address)
+        return await sock_connect(self, sock, address)
+
+    uvloop.Loop.create_connection = guarded_create_connection  # type: ignore[method-assign]
+    uvloop.Loop.sock_connect = guarded_sock_connect  # type: ignore[method-assign]
+
+
+_guard_uvloop()
 
 
 SLOW_SUFFIX = ".slow.test"
