@@ -62,8 +62,24 @@ def write_tool(root: Path, name: str, source: str, *, inputs: str = "", version:
     return tool
 
 
+def _loopback_only_tools() -> None:
+    for tool, package in (("unshare", "util-linux"), ("ip", "iproute2")):
+        if shutil.which(tool) is None:
+            pytest.fail(f"`{tool}` is missing: a loopback-only daemon needs it (scripts/ci-deps.sh installs {package})")
+
+
 class Daemon:
-    def __init__(self, tmp: Path, *, config: str = "", env: dict[str, str] | None = None) -> None:
+    """``loopback_only``: the daemon runs in a network namespace of its own with nothing but a
+    loopback device, so that an egress decision gone wrong fails to connect instead of sending
+    a packet anywhere. Docker still works from there: the engine is reached over
+    /var/run/docker.sock and the sandboxes over unix sockets, neither of which a network
+    namespace touches."""
+
+    def __init__(self, tmp: Path, *, config: str = "", env: dict[str, str] | None = None,
+                 loopback_only: bool = False) -> None:
+        if loopback_only:
+            _loopback_only_tools()
+        self.loopback_only = loopback_only
         self.tmp = tmp
         self.data = tmp / "data"
         # Socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
@@ -85,12 +101,12 @@ class Daemon:
 
     def start(self, timeout: float = 30) -> Daemon:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandboxd", "serve", "--config", str(self.config_path),
-             "--data-path", str(self.data), "--socket", str(self.socket),
-             "--seed-tools", str(REPO / "seed" / "tools")],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
-        )
+        command = [sys.executable, "-m", "sandboxd", "serve", "--config", str(self.config_path),
+                   "--data-path", str(self.data), "--socket", str(self.socket),
+                   "--seed-tools", str(REPO / "seed" / "tools")]
+        if self.loopback_only:  # exec: the daemon keeps unshare's pid, signals reach it directly
+            command = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -102,6 +118,17 @@ class Daemon:
             except Exception:
                 time.sleep(0.1)
         raise AssertionError(f"daemon did not listen within {timeout} s:\n{self.log()}")
+
+    def network_namespace(self) -> str:
+        """The daemon's network namespace (``net:[inode]``), to compare with the test's own."""
+        assert self.proc is not None
+        return os.readlink(f"/proc/{self.proc.pid}/ns/net")
+
+    def network_interfaces(self) -> set[str]:
+        """The network devices the daemon's process sees (its namespace's, from /proc)."""
+        assert self.proc is not None
+        lines = Path(f"/proc/{self.proc.pid}/net/dev").read_text().splitlines()[2:]
+        return {line.split(":")[0].strip() for line in lines}
 
     def client(self, timeout: float | None = 60) -> Client:
         return Client(self.socket, timeout=timeout)
@@ -159,7 +186,9 @@ class Daemon:
 
 @pytest.fixture
 def make_daemon(tmp_path: Path, docker_api: Any) -> Iterator[Any]:
-    """Factory: make_daemon(config="pool:\\n  min_idle: 0\\n") → a started Daemon; stopped and checked after."""
+    """Factory: make_daemon(config="pool:\\n  min_idle: 0\\n") → a started Daemon; stopped and checked after.
+
+    ``loopback_only=True`` starts it in a network namespace with only a loopback device (Daemon)."""
     daemons: list[Daemon] = []
 
     def factory(config: str = "", start: bool = True, **kwargs: Any) -> Daemon:

@@ -107,23 +107,23 @@ def test_the_hosts_loopback_is_refused_by_default(make_daemon: Any, web: _Server
     seen = probe(daemon, "raw", request=f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n")
     head, _, body = seen["answer"].partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 403") and "X-Sandboxd-Egress: refused" in head, seen
-    assert body.strip() == (f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: loopback address; "
-                            "the operator can allow it with egress.allow")
+    assert body.strip() == (f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: "
+                            "loopback address (RFC 1122); the operator can allow it with egress.allow")
     assert web.connections == 0
     event = daemon.events("egress", decision="refused")[-1]
     assert event["user"] == USER and event["tool"] == "egress_probe" and event["port"] == port
-    assert event["reason"] == "loopback address"
+    assert event["reason"] == "loopback address (RFC 1122)"
 
 
 def test_private_and_metadata_addresses_are_refused_before_any_connect(make_daemon: Any) -> None:
-    daemon = make_daemon()
+    daemon = make_daemon(loopback_only=True)  # a wrong decision cannot leave; test_egress_addresses.py: every form
     for target, reason in ((f"{PRIVATE}:80", "private address (RFC 1918)"),
                            ("169.254.169.254:80", "the cloud metadata endpoint"),
-                           ("[fd00::1]:443", "unique local address (IPv6 ULA)")):
+                           ("[fd00::1]:443", "unique local address (RFC 4193)")):
         seen = probe(daemon, "raw", request=f"CONNECT {target} HTTP/1.1\r\n\r\n")
         assert f"refused by sandboxd's egress policy: {reason}" in seen["answer"], seen
     assert {e["reason"] for e in daemon.events("egress", decision="refused")} >= {
-        "private address (RFC 1918)", "the cloud metadata endpoint", "unique local address (IPv6 ULA)"}
+        "private address (RFC 1918)", "the cloud metadata endpoint", "unique local address (RFC 4193)"}
 
 
 def test_a_listed_local_server_is_reached_through_the_socket(make_daemon: Any, web: _Server) -> None:
@@ -159,7 +159,7 @@ def test_a_refusal_reaches_the_tool_as_the_policys_reason_on_every_path(make_dae
     port = web.server_address[1]
     daemon = make_daemon()
     url = f"http://127.0.0.1:{port}/page"
-    reason = f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: loopback address"
+    reason = f"egress to 127.0.0.1:{port} refused by sandboxd's egress policy: loopback address (RFC 1122)"
     fetched = probe(daemon, "fetch", url=url)
     assert reason in fetched["error"], fetched  # "fetch failed: egress to ...", not a bare "fetch failed"
     assert reason in probe(daemon, "http", url=url)["error"]
@@ -174,7 +174,7 @@ def test_a_name_resolving_to_loopback_is_refused(make_daemon: Any, web: _Server)
     port = web.server_address[1]
     daemon = make_daemon(env={"SANDBOXD_EGRESS_PORTS": f"[80, 443, {port}]"})
     fetched = probe(daemon, "fetch", url=f"http://localhost:{port}/page")
-    assert (f"egress to localhost:{port} refused by sandboxd's egress policy: loopback address"
+    assert (f"egress to localhost:{port} refused by sandboxd's egress policy: loopback address (RFC 1122)"
             in fetched["error"]), fetched
     assert web.connections == 0
 
@@ -193,7 +193,7 @@ def test_a_redirect_to_a_private_address_is_refused_at_its_hop(make_daemon: Any,
 # --- the proxy's own limits, against a hostile tool and a hostile client ---------------------
 
 def test_a_tool_holding_egress_connections_gets_503_past_the_cap(make_daemon: Any) -> None:
-    daemon = make_daemon(env={"SANDBOXD_EGRESS_MAX_CONNECTIONS": "4"})
+    daemon = make_daemon(env={"SANDBOXD_EGRESS_MAX_CONNECTIONS": "4"}, loopback_only=True)
     seen = probe(daemon, "hold", port=4, request=f"CONNECT {PRIVATE}:80 HTTP/1.1\r\n\r\n")
     assert seen["answer"].startswith("HTTP/1.1 503"), seen
     assert "already holds 4 egress connections (egress.max_connections)" in seen["answer"], seen
