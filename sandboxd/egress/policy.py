@@ -5,7 +5,7 @@ asked for (the policy ``none``, a port not allowed, a name an allow-list never
 names: refused without a DNS query), then ``for_address`` with each address the name
 resolved to. The proxy connects to an address this module allowed and to no other,
 so a name that resolves to a public address once and a private one later (DNS
-rebinding) gets nowhere.
+rebinding) gets nowhere. Which addresses are public is egress/addresses.py's to say.
 """
 
 from __future__ import annotations
