@@ -273,6 +273,9 @@ class Config(_Section):
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
+    # A refused-connection flood from four sandboxes for 10 s: 4 x (100 + 10 x 10) lines, ~250 KB.
+    log_rate: float = Field(10.0, gt=0, description="Log lines a second that one source (a sandbox, a user's calls, a client's uid) may cause; past log_burst, more are dropped and counted in one log_lines_dropped line per 10 s.")
+    log_burst: int = Field(100, ge=1, description="Log lines one source may cause at once before log_rate applies.")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description="The daemon's event loop: uvloop (~15% less daemon CPU per call), Python's asyncio, or auto (uvloop when installed).")
     calls: CallsConfig = Field(default_factory=CallsConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
@@ -521,7 +524,7 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
 # matches an entry exactly or by its section prefix; every other key needs a restart.
-LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "log_level", "max_message_bytes", "allowed_uids", "allowed_gids",
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "log_level", "log_rate", "log_burst", "max_message_bytes", "allowed_uids", "allowed_gids",
              "allow_unsafe")  # live with the sandbox settings it was checked against
 # Exceptions inside live sections: fixed when the backend is built.
 RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")

@@ -1,10 +1,17 @@
-"""structlog setup, with the one redaction step every event passes through.
+"""structlog setup: the one redaction step every event passes through, and the log's budgets.
 
 Secrets reach logs two ways: under a key that names them (``env``, ``token``,
 ...), or as a value inside some other string (a tool echoing its token to
 stderr). ``redact`` handles both: it masks sensitive keys, and replaces every
 value registered with ``secret_values`` for the current task (a call's env
 values and sensitive arguments) wherever it appears in the event.
+
+The log is shared by every user, and a sandbox or a client can cause lines at the
+rate it likes (refused egress, crashes, calls, reconnects). Such a line names whose it
+is (``budget=source(...)``); each source has a token bucket of lines (``log_rate`` a
+second, ``log_burst`` at once), what is over it is dropped before it costs any
+rendering, and one ``log_lines_dropped`` line per interval says what was dropped, by
+whom. The metrics count every event regardless.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import contextlib
 import contextvars
 import logging
 import sys
-from typing import Any, Iterable, Iterator
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 import structlog
 
@@ -74,6 +82,110 @@ def redact(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     return _scrub(event, _secrets.get())  # type: ignore[return-value]
 
 
+# -- the log's budgets ---------------------------------------------------------------
+
+BUDGET_KEY = "budget"  # the event's source, as source() makes it; removed before rendering
+SUMMARY_INTERVAL_S = 10.0
+_SUMMARY_TOP = 10  # sources named in a summary line; the rest are counted in its total
+_MAX_SOURCES = 10_000  # buckets kept; beyond, the full ones are forgotten first
+
+
+def source(kind: str, who: Any) -> tuple[str, str]:
+    """Whose budget a line is spent from: ``("sandbox", id)``, ``("user", name)``, ``("peer", uid)``, ..."""
+    return kind, str(who)
+
+
+class LogBudget:
+    """A token bucket of log lines per source, one for all sources together, and the count of what was dropped.
+
+    The shared bucket (``TOTAL_SOURCES`` sources' worth) bounds the log when a client names
+    endless sources of its own making (made-up users, say); the per-source ones keep one
+    noisy source from using it all."""
+
+    TOTAL_SOURCES = 10
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst = rate, burst
+        self._clock = clock
+        self._buckets: dict[tuple[str, str], list[float]] = {}  # source → [tokens, when]
+        self._total = [burst * self.TOTAL_SOURCES, clock()]
+        self._dropped: dict[tuple[str, str, str], int] = {}  # (kind, who, event) → lines dropped
+        self._since = clock()
+
+    def admit(self, kind_who: tuple[str, str], event: str) -> bool:
+        now = self._clock()
+        bucket = self._buckets.get(kind_who)
+        if bucket is None:
+            if len(self._buckets) >= _MAX_SOURCES:
+                self._forget_full(now)
+            bucket = self._buckets[kind_who] = [self.burst, now]
+        if _take(bucket, now, self.rate, self.burst) and \
+                _take(self._total, now, self.rate * self.TOTAL_SOURCES, self.burst * self.TOTAL_SOURCES):
+            return True
+        key = (*kind_who, event)
+        self._dropped[key] = self._dropped.get(key, 0) + 1
+        return False
+
+    def summary(self) -> dict[str, Any] | None:
+        """What was dropped since the last summary (then forgotten), or None if nothing was."""
+        now = self._clock()
+        self._forget_full(now)
+        if not self._dropped:
+            self._since = now
+            return None
+        ranked = sorted(self._dropped.items(), key=lambda item: -item[1])
+        out = {"dropped": sum(self._dropped.values()), "interval_s": round(now - self._since, 1),
+               "by_source": [{"source": kind, "who": who, "event": event, "dropped": n}
+                             for (kind, who, event), n in ranked[:_SUMMARY_TOP]],
+               "sources": len({(kind, who) for kind, who, _ in self._dropped}),
+               "limits": {"log_rate": self.rate, "log_burst": self.burst}}
+        self._dropped.clear()
+        self._since = now
+        return out
+
+    def _forget_full(self, now: float) -> None:
+        """A bucket that has refilled is the same as a new one: drop it, so that the sources kept are the busy ones."""
+        for kind_who, (tokens, at) in list(self._buckets.items()):
+            if tokens + (now - at) * self.rate >= self.burst:
+                del self._buckets[kind_who]
+
+
+def _take(bucket: list[float], now: float, rate: float, burst: float) -> bool:
+    """One token from ``bucket`` ([tokens, when]) refilled at ``rate`` up to ``burst``; False if there is none."""
+    tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
+    bucket[1] = now
+    if tokens >= 1:
+        bucket[0] = tokens - 1
+        return True
+    bucket[0] = tokens
+    return False
+
+
+_budget = LogBudget(rate=10, burst=100)
+
+
+def set_log_budget(rate: float, burst: float) -> None:
+    """Each source's lines: ``rate`` a second, ``burst`` at once (config log_rate, log_burst; live on reload)."""
+    _budget.rate, _budget.burst = rate, burst
+
+
+def log_dropped_summary() -> None:
+    """Say what the budgets dropped since the last time, in one line (called every SUMMARY_INTERVAL_S)."""
+    summary = _budget.summary()
+    if summary is not None:
+        get_logger("sandboxd.logging").warning(
+            "log_lines_dropped", **summary,
+            hint="these sources logged faster than log_rate lines/s (log_burst at once); the metrics count every event")
+
+
+def within_budget(_logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """First in the chain: a line over its source's budget is dropped before any other work."""
+    kind_who = event.pop(BUDGET_KEY, None)
+    if kind_who is not None and not _budget.admit(kind_who, str(event.get("event"))):
+        raise structlog.DropEvent
+    return event
+
+
 def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None) -> None:
     stream = stream or sys.stderr
     if fmt == "auto":
@@ -83,6 +195,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
     )
     structlog.configure(
         processors=[
+            within_budget,  # first: a dropped line costs nothing more
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

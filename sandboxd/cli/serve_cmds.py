@@ -9,7 +9,7 @@ from typing import Callable
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
 from sandboxd.config import Config, ConfigError, check_unsandboxed, load_config, unsafe_settings
-from sandboxd.logging import configure_logging, get_logger
+from sandboxd.logging import configure_logging, get_logger, set_log_budget
 
 
 def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -47,6 +47,7 @@ def run_serve(args: argparse.Namespace, config: Config) -> int:
     check_unsandboxed(config)  # `sandboxd run` asks for the process backend by flag; a service must say so
     loop_factory = event_loop_factory(config.event_loop)
     configure_logging(config.log_level, config.log_format)
+    set_log_budget(config.log_rate, config.log_burst)
     accepted = [name for name, _ in unsafe_settings(config) if name in config.allow_unsafe]
     if accepted:  # said at every start, so nobody forgets the sandbox is weakened
         get_logger("sandboxd.serve").warning("UNSAFE_SETTINGS", accepted=accepted,

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from sandboxd.config import PoolConfig
 from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, ShuttingDown
-from sandboxd.logging import get_logger
+from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, Sandbox, SandboxSpec
 
 log = get_logger("sandboxd.pool")
@@ -511,7 +511,7 @@ class Pool:
             )
         elif not isinstance(exc, SandboxdError):
             exc = BackendUnavailable(f"could not start a sandbox: {exc}")
-        log.warning("sandbox_start_failed", user=pooled.user, error=str(exc))
+        log.warning("sandbox_start_failed", user=pooled.user, error=str(exc), budget=source("user", pooled.user))
         pooled.start_error = exc
         self._apply(self._plan())
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from sandboxd import strictjson
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
-from sandboxd.logging import current_secrets, get_logger, masking
+from sandboxd.logging import current_secrets, get_logger, masking, source
 from sandboxd.sandbox.backend import CallRequest, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
@@ -277,10 +277,10 @@ class ShimSandbox:
                 line = raw[:4096].decode("utf-8", "replace")
                 self.stderr_tail.append(line)
                 if len(self._secrets) <= self.MAX_MASKED_SECRETS:
-                    _log.debug("tool_stderr", sandbox=self.id, line=line)
+                    _log.debug("tool_stderr", sandbox=self.id, line=line, budget=source("sandbox", self.id))
                 else:
                     _log.debug("tool_stderr", sandbox=self.id, line=f"({len(line)} characters, not logged: "
-                               f"too many secrets to mask)")
+                               f"too many secrets to mask)", budget=source("sandbox", self.id))
                 if self._on_output is not None:
                     self._on_output(line)
 
@@ -334,7 +334,8 @@ class ShimSandbox:
         """The channel found the sandbox hostile: tell the pool now, so an idle one is destroyed at once."""
         if self.destroying:
             return
-        _log.warning("sandbox_broken", sandbox=self.id, user=self.user, reason=error.message)
+        _log.warning("sandbox_broken", sandbox=self.id, user=self.user, reason=error.message,
+                     budget=source("user", self.user))
         self._notify_exit()
 
     def transport_closed(self) -> None:

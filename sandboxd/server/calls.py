@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 from sandboxd import strictjson
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
-from sandboxd.logging import get_logger, secret_values
+from sandboxd.logging import get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.rpc import is_request_id, notification
@@ -289,7 +289,8 @@ class CallRunner:
         status = _ERROR_STATUS.get(type(exc), "internal_error")
         self.counts[status] = self.counts.get(status, 0) + 1
         name = params.get("name") if isinstance(params, dict) else None
-        log.info("call", tool=name[:200] if isinstance(name, str) else None, status=status, error=exc.message)
+        log.info("call", tool=name[:200] if isinstance(name, str) else None, status=status, error=exc.message,
+                 budget=source("calls", "refused while stopping"))
 
     def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
         """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
@@ -304,6 +305,7 @@ class CallRunner:
             queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
             sandbox=None if ctx.sandbox is None else ctx.sandbox.id,
             **({"error": error} if error else {}),
+            budget=source("user", call.user),
         )
         if self.on_call is not None:
             self.on_call(call.tool.name, status, duration_s, ctx.queue_wait_s)
@@ -350,7 +352,8 @@ class CallRunner:
             retire = answer.get("retire")
             reusable = not retire
             if retire:
-                log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=pooled.sandbox.id, reason=str(retire)[:500])
+                log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=pooled.sandbox.id,
+                         reason=str(retire)[:500], budget=source("user", call.user))
             content = answer.get("content")
             if not isinstance(content, list):
                 content = text("The tool's sandbox returned a malformed result.")

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Mapping, Union
 
 from sandboxd import strictjson
 from sandboxd.errors import MethodNotFound, SandboxdError
-from sandboxd.logging import get_logger
+from sandboxd.logging import get_logger, source
 
 log = get_logger("sandboxd.server")
 
@@ -42,7 +42,7 @@ def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
 def error_body(exc: BaseException, method: str | None = None) -> dict[str, Any]:
     """The one mapping of an error to the wire."""
     if not isinstance(exc, SandboxdError):
-        log.error("request_failed", method=method, exc_info=exc)
+        log.error("request_failed", method=method, exc_info=exc, budget=source("method", method))
         return {"code": INTERNAL_ERROR, "message": "internal error in sandboxd; the daemon's log has the details."}
     error: dict[str, Any] = {"code": exc.code, "message": exc.message}
     if exc.data is not None:

@@ -19,7 +19,7 @@ from sandboxd import __version__
 from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, shim_line_bytes
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
-from sandboxd.logging import get_logger, set_log_level
+from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
@@ -233,11 +233,15 @@ class Server:
                      reason="sandboxes an earlier run on this data path left (their instance label is its hash)")
 
     async def _maintain(self) -> None:
+        summarized = time.monotonic()
         while True:
             await asyncio.sleep(MAINTENANCE_INTERVAL_S)
             self.pool.maintain()
             if not self._orphans_removed:
                 await self._remove_orphans()
+            if time.monotonic() - summarized >= SUMMARY_INTERVAL_S:
+                summarized = time.monotonic()
+                log_dropped_summary()  # one line for what the log's budgets dropped
 
     # -- status ----------------------------------------------------------------
 
@@ -338,6 +342,8 @@ class Server:
         self._use(effective)
         if "log_level" in applied:
             set_log_level(effective.log_level)
+        if "log_rate" in applied or "log_burst" in applied:
+            set_log_budget(effective.log_rate, effective.log_burst)
         if any(key.startswith("egress.") for key in applied):
             self.egress.reconfigure(effective.egress)  # from the next request on; open tunnels stay
         if change.touches("sandbox"):
@@ -386,6 +392,7 @@ class Server:
         if self._data_lock is not None:
             os.close(self._data_lock)
             self._data_lock = None
+        log_dropped_summary()
         log.info("stopped")
 
 

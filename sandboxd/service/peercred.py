@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandboxd.config import Config
-from sandboxd.logging import get_logger
+from sandboxd.logging import get_logger, source
 
 log = get_logger("sandboxd.peer")
 
@@ -75,11 +75,13 @@ class PeerPolicy:
         try:
             peer = peer_credentials(sock)
         except OSError as exc:
-            log.warning("peer_refused", reason=f"credentials unreadable: {exc}")
+            log.warning("peer_refused", reason=f"credentials unreadable: {exc}", budget=source("peer", "unreadable"))
             return "sandboxd could not read this connection's credentials (SO_PEERCRED) and refuses it."
         if self.allows(peer):
             return None
-        log.warning("peer_refused", pid=peer.pid, uid=peer.uid, gid=peer.gid, groups=list(peer.groups))
+        # A client reconnecting in a loop is one source: its uid's budget.
+        log.warning("peer_refused", pid=peer.pid, uid=peer.uid, gid=peer.gid, groups=list(peer.groups),
+                    budget=source("peer", peer.uid))
         return (
             f"uid {peer.uid} (gid {peer.gid}) may not use this sandboxd; ask its administrator to add the uid "
             "to allowed_uids or one of its groups to allowed_gids in the daemon's config."

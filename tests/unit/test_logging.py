@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from sandboxd.logging import configure_logging, get_logger, secret_values
+from sandboxd.logging import LogBudget, configure_logging, get_logger, log_dropped_summary, secret_values, set_log_budget, source
 
 
 def test_secrets_are_masked_wherever_they_appear() -> None:
@@ -32,3 +32,58 @@ def test_console_format_on_request() -> None:
     assert "hello" in text and "abc" not in text
     get_logger("test").debug("hidden")
     assert "hidden" not in stream.getvalue()
+
+
+# -- the log's budgets -------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_source_over_its_budget_is_dropped_and_counted_and_refills_at_its_rate() -> None:
+    clock = Clock()
+    budget = LogBudget(rate=2, burst=5, clock=clock)
+    noisy, quiet = source("sandbox", "abc"), source("sandbox", "def")
+    assert [budget.admit(noisy, "egress") for _ in range(8)] == [True] * 5 + [False] * 3
+    assert budget.admit(quiet, "egress")  # another source has its own bucket
+    clock.now += 1.0  # two lines' worth
+    assert [budget.admit(noisy, "egress") for _ in range(3)] == [True, True, False]
+    summary = budget.summary()
+    assert summary is not None and summary["dropped"] == 4 and summary["sources"] == 1
+    assert summary["by_source"] == [{"source": "sandbox", "who": "abc", "event": "egress", "dropped": 4}]
+    assert budget.summary() is None  # said once: the counts start again
+
+
+def test_endless_made_up_sources_are_bounded_by_the_shared_budget() -> None:
+    clock = Clock()
+    budget = LogBudget(rate=1, burst=10, clock=clock)
+    admitted = sum(budget.admit(source("user", f"made-up-{i}@x.io"), "call") for i in range(10_000))
+    # Each source's first line would pass alone; together they get TOTAL_SOURCES sources' burst.
+    assert admitted == 10 * LogBudget.TOTAL_SOURCES
+    summary = budget.summary()
+    assert summary is not None and summary["dropped"] == 10_000 - admitted and len(summary["by_source"]) == 10
+
+
+def test_lines_over_budget_are_never_rendered_and_the_budget_key_never_is() -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+    set_log_budget(rate=0.001, burst=3)
+    try:
+        log = get_logger("test")
+        for i in range(50):
+            log.info("egress", n=i, budget=source("sandbox", "s1"))
+        log.info("unbudgeted")
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert [line.get("n") for line in lines] == [0, 1, 2, None]
+        assert all("budget" not in line for line in lines)
+        log_dropped_summary()
+        (summary,) = [json.loads(line) for line in stream.getvalue().splitlines()][4:]
+        assert summary["event"] == "log_lines_dropped" and summary["dropped"] == 47
+        assert summary["by_source"][0] == {"source": "sandbox", "who": "s1", "event": "egress", "dropped": 47}
+    finally:
+        set_log_budget(rate=10, burst=100)
