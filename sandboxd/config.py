@@ -216,6 +216,9 @@ class EgressConfig(_Section):
     max_connections: int = Field(32, ge=1, description="Egress connections one sandbox may hold open at once.")
     # ~1 ms of the daemon's CPU per MiB moved (measured): 16 MiB/s is a few percent of a core per sandbox.
     rate_bytes: int = Field(16 << 20, ge=1 << 16, description="Bytes per second one sandbox may move through the egress proxy, both ways together; faster transfers are slowed down.")
+    # The host's way out is shared: 128 MiB/s (~1 Gbit/s) is eight sandboxes at their full rate.
+    total_rate_bytes: int | None = Field(128 << 20, ge=1 << 16, description="Bytes per second all sandboxes together may move through the egress proxy; each sandbox moving data gets an equal share of it (at most rate_bytes); null = no daemon-wide cap.")
+    connect_rate: float = Field(50.0, gt=0, description="New egress connections a second one sandbox may open (a second's worth at once); more wait in the kernel's queue of egress.sock, then fail at once in the sandbox.")
 
     @field_validator("allow", mode="after")
     @classmethod

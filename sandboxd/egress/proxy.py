@@ -31,18 +31,20 @@ from urllib.parse import urlsplit
 from sandboxd.config import EgressConfig
 from sandboxd.egress.addresses import SCOPED
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
-from sandboxd.logging import get_logger, masking
+from sandboxd.egress.relay import Relay
+from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import EgressContext
+from sandboxd.service.peercred import peer_credentials
 
 log = get_logger("sandboxd.egress")
 
 MAX_HEAD_BYTES = 16 << 10
 HEAD_TIMEOUT_S = 10.0
-# Small buffers: a sandbox may hold egress.max_connections of these, each buffering both ways.
-STREAM_LIMIT = 16 << 10
-WRITE_HIGH_WATER = 32 << 10
-CHUNK = 16 << 10
 HOST_ADDRESSES_TTL_S = 60.0
+# A sandbox counts as moving data for this long after it last did, in the shares of egress.total_rate_bytes,
+# which are worked out again at most this often.
+MOVING_S = 1.0
+SHARE_REFRESH_S = 0.25
 # Lookups can block for the resolver's whole timeout: a pool of their own, and at most
 # LOOKUPS_PER_SANDBOX of them per sandbox, so one sandbox's slow names cannot hold them all.
 DNS_THREADS = 8
@@ -84,6 +86,8 @@ class EgressProxy:
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (decision, reason) → count
         self.config = config
         self.policy = self._policy(config)
+        self._moving: dict[object, float] = {}  # each sandbox's budget → when it last moved bytes
+        self._share, self._share_at = float(config.rate_bytes), float("-inf")
 
     def _policy(self, config: EgressConfig) -> EgressPolicy:
         return EgressPolicy(config.policy, config.allow, config.ports, self._own_addresses())
@@ -100,6 +104,27 @@ class EgressProxy:
 
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession:
         return EgressSession(self, user, sandbox_id, context)
+
+    def share(self, now: float) -> float:
+        """Bytes a second one sandbox moving data may move now: egress.rate_bytes, and no more than an
+        equal share of egress.total_rate_bytes among the sandboxes that moved data in the last MOVING_S."""
+        if now - self._share_at > SHARE_REFRESH_S:
+            self._share_at = now
+            for budget in [b for b, at in self._moving.items() if now - at > MOVING_S]:
+                del self._moving[budget]
+            total, rate = self.config.total_rate_bytes, float(self.config.rate_bytes)
+            self._share = rate if total is None else min(rate, total / max(1, len(self._moving)))
+        return self._share
+
+    def moving(self, budget: object, now: float) -> None:
+        self._moving[budget] = now
+
+    def forget(self, budget: object) -> None:
+        self._moving.pop(budget, None)
+
+    @property
+    def sandboxes_moving(self) -> int:
+        return len(self._moving)
 
     def close(self) -> None:
         self._dns.shutdown(wait=False, cancel_futures=True)
@@ -174,7 +199,8 @@ def refusal_message(host: str, port: int, address: IPAddress | None, verdict: Ve
 
 
 class EgressSession:
-    """One sandbox's egress: its connections (bounded), each one request."""
+    """One sandbox's egress: the connections it opens on its egress.sock (at most
+    ``egress.connect_rate`` new ones a second, ``egress.max_connections`` at once), each one request."""
 
     def __init__(self, proxy: EgressProxy, user: str, sandbox_id: str, context: EgressContext) -> None:
         self._proxy = proxy
@@ -182,7 +208,8 @@ class EgressSession:
         self.sandbox_id = sandbox_id
         self._context = context
         self._connections: set[asyncio.Task[None]] = set()
-        self._bucket = _Bucket(proxy.config.rate_bytes)
+        self.budget = _Share(proxy)
+        self._accepts = _Debt()
         self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
 
     def __repr__(self) -> str:
@@ -192,16 +219,37 @@ class EgressSession:
     def connections(self) -> int:
         return len(self._connections)
 
+    async def serve(self, listener: socket.socket, uid: int) -> None:
+        """Accept the sandbox's connections on ``listener`` until cancelled; only ``uid`` may connect.
+
+        Past ``egress.connect_rate`` the next accept waits: the kernel's backlog holds what
+        comes meanwhile, and then the sandbox's connects fail at once (EAGAIN), at no cost
+        to the daemon, instead of being accepted and refused one by one."""
+        loop = asyncio.get_running_loop()
+        while True:
+            delay = self._accepts.take(self._proxy.config.connect_rate)
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of fds, say: the sandbox's way out stops, the daemon goes on
+                log.warning("egress_accept_failed", sandbox=self.sandbox_id, error=str(exc),
+                            budget=source("sandbox", self.sandbox_id))
+                await asyncio.sleep(1)
+                continue
+            peer = peer_credentials(conn)
+            if peer.uid != uid:  # only the sandbox mounts the directory; anyone else is refused
+                log.warning("egress_foreign_peer", sandbox=self.sandbox_id, pid=peer.pid, uid=peer.uid,
+                            budget=source("sandbox", self.sandbox_id))
+                conn.close()
+                continue
+            loop.create_task(self.handle(conn))
+
     async def handle(self, conn: socket.socket) -> None:
         """Serve one connection from the sandbox; never raises."""
         task = asyncio.current_task()
         assert task is not None
-        try:
-            reader, writer = await asyncio.open_connection(sock=conn, limit=STREAM_LIMIT)
-        except OSError:
-            conn.close()
-            return
-        writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        conn.setblocking(False)
         self._connections.add(task)
         try:
             limit = self._proxy.config.max_connections
@@ -209,122 +257,149 @@ class EgressSession:
                 return  # a flood: no answer, the connection just closes
             if len(self._connections) > limit:
                 self._record("refused", "too many connections", None, 0, None)
-                await self._reply(writer, 503, "failed", f"egress refused: this sandbox already holds {limit} "
-                                                         "egress connections (egress.max_connections); close some "
-                                                         "first", reader)
+                await _reply(conn, 503, "failed", f"egress refused: this sandbox already holds {limit} egress "
+                                                  "connections (egress.max_connections); close some first")
             else:
-                await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+                await self._serve(conn)
+        except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:
             pass  # the sandbox is going away (close)
         finally:
             self._connections.discard(task)
-            writer.transport.abort()
+            conn.close()
 
     def close(self) -> None:
         """The sandbox is destroyed: end its connections now."""
         for task in list(self._connections):
             task.cancel()
+        self._proxy.forget(self.budget)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
         config = self._proxy.config
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                await self._reply(writer, 400, "failed", "egress request malformed: the connection ended inside "
-                                                         "the request head")
+                head, early = await _read_head(conn)
+        except _Malformed as exc:
+            if exc.answerable:
+                await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
-        except (asyncio.LimitOverrunError, TimeoutError) as exc:
-            problem = (f"the request head exceeds {MAX_HEAD_BYTES} bytes" if isinstance(exc, asyncio.LimitOverrunError)
-                       else f"no complete request head within {HEAD_TIMEOUT_S:g} s")
-            await self._reply(writer, 400, "failed", f"egress request malformed: {problem}", reader)
-            return
-        if len(head) > MAX_HEAD_BYTES:
-            await self._reply(writer, 400, "failed", f"egress request malformed: the request head exceeds "
-                                                     f"{MAX_HEAD_BYTES} bytes", reader)
+        except TimeoutError:
+            await _reply(conn, 400, "failed", f"egress request malformed: no complete request head within "
+                                              f"{HEAD_TIMEOUT_S:g} s")
             return
         try:
             method, host, port, forward = _parse(head)
         except ValueError as exc:
-            await self._reply(writer, 400, "failed", f"egress request malformed: {exc}", reader)
+            await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
         try:
             addresses, verdict = await self._proxy.decide(host, port, self._lookups)
         except _Refused as refused:
             self._record("failed", refused.reason, host, port, None)
-            await self._reply(writer, refused.status, "failed", refused.message, reader)
+            await _reply(conn, refused.status, "failed", refused.message)
             return
         if not addresses:
             self._record("refused", verdict.reason, host, port, parse_address(host))
-            await self._reply(writer, 403, "refused", refusal_message(host, port, None, verdict), reader)
+            await _reply(conn, 403, "refused", refusal_message(host, port, None, verdict))
             return
         try:
-            upstream_reader, upstream_writer, address = await self._connect(addresses, port, config.connect_timeout_ms)
+            upstream, address = await _connect(addresses, port, config.connect_timeout_ms)
         except _Refused as refused:
             self._record("failed", refused.reason, host, port, addresses[0])
-            await self._reply(writer, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}",
-                              reader)
+            await _reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
             return
         self._record("allowed", verdict.reason, host, port, address)
-        try:
-            upstream_writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-            if method == "CONNECT":
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:
-                upstream_writer.write(forward)
-            self._bucket.rate = config.rate_bytes  # a reload's new rate applies from here
-            await _relay(reader, writer, upstream_reader, upstream_writer, config.idle_timeout_s, self._bucket)
-        finally:
-            upstream_writer.transport.abort()
-
-    async def _connect(self, addresses: list[IPAddress], port: int,
-                       timeout_ms: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, IPAddress]:
-        last: str = "no address"
-        try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                for address in addresses:  # only addresses the policy allowed: never a new lookup
-                    try:
-                        r, w = await asyncio.open_connection(str(address), port, limit=STREAM_LIMIT)
-                        return r, w, address
-                    except OSError as exc:
-                        last = os.strerror(exc.errno) if exc.errno else str(exc)
-        except TimeoutError:
-            raise _Refused(504, f"connecting took longer than {timeout_ms} ms (egress.connect_timeout_ms)",
-                           reason="connect timeout") from None
-        raise _Refused(502, last.lower() if last else "connection failed", reason="connect failed")
-
-    async def _reply(self, writer: asyncio.StreamWriter, status: int, kind: str, message: str,
-                     reader: asyncio.StreamReader | None = None) -> None:
-        """Answer and end the request: the answer, then EOF, then what the client still sends is read and dropped."""
-        writer.write(_answer(status, kind, message))
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
-                await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (TimeoutError, ConnectionError, OSError):
-            return
-        if reader is not None:
-            await _discard_request(reader)
+                if method == "CONNECT":
+                    await loop.sock_sendall(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                else:
+                    early = forward + early
+                if early:  # what the sandbox sent after its head (a TLS hello, a request body)
+                    await loop.sock_sendall(upstream, early)
+            await Relay(conn, upstream, self.budget, config.idle_timeout_s).run()
+        except TimeoutError:
+            pass
+        finally:
+            upstream.close()
 
     def _record(self, decision: str, reason: str, host: str | None, port: int, address: IPAddress | None) -> None:
         tool, secrets = self._context()
         self._proxy.decisions[(decision, _reason_label(reason))] += 1
         with masking(secrets):  # a tool could put its token in a host name
             log.info("egress", user=self.user, sandbox=self.sandbox_id, tool=tool, host=host, port=port,
-                     address=str(address) if address is not None else None, decision=decision, reason=reason)
+                     address=str(address) if address is not None else None, decision=decision, reason=reason,
+                     budget=source("sandbox", self.sandbox_id))
 
 
-async def _discard_request(reader: asyncio.StreamReader) -> None:
-    """Read what the client sent, briefly: closing over unread bytes would reset the
-    connection, and the client would see a reset instead of the answer."""
+class _Malformed(Exception):
+    """The request head is not one: ``answerable`` unless the sandbox went away before sending any."""
+
+    def __init__(self, message: str, *, answerable: bool = True) -> None:
+        super().__init__(message)
+        self.answerable = answerable
+
+
+async def _read_head(conn: socket.socket) -> tuple[bytes, bytes]:
+    """The request head, through its blank line, and what the sandbox sent after it (early bytes)."""
+    loop = asyncio.get_running_loop()
+    buffer = bytearray()
+    while True:
+        chunk = await loop.sock_recv(conn, 4096)
+        if not chunk:
+            if buffer:
+                raise _Malformed("the connection ended inside the request head")
+            raise _Malformed("no request", answerable=False)
+        start = max(0, len(buffer) - 3)
+        buffer += chunk
+        end = buffer.find(b"\r\n\r\n", start)
+        if end >= 0:
+            if end + 4 > MAX_HEAD_BYTES:
+                raise _Malformed(f"the request head exceeds {MAX_HEAD_BYTES} bytes")
+            return bytes(buffer[:end + 4]), bytes(buffer[end + 4:])
+        if len(buffer) > MAX_HEAD_BYTES:
+            raise _Malformed(f"the request head exceeds {MAX_HEAD_BYTES} bytes")
+
+
+async def _connect(addresses: list[IPAddress], port: int, timeout_ms: int) -> tuple[socket.socket, IPAddress]:
+    """A connected non-blocking socket to the first of ``addresses`` that answers (all allowed by the policy)."""
+    loop = asyncio.get_running_loop()
+    last = "no address"
     try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            for address in addresses:  # only addresses the policy allowed: never a new lookup
+                sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as asyncio's own transports do
+                    await loop.sock_connect(sock, (str(address), port))
+                    return sock, address
+                except OSError as exc:
+                    sock.close()
+                    last = os.strerror(exc.errno) if exc.errno else str(exc)
+                except BaseException:
+                    sock.close()
+                    raise
+    except TimeoutError:
+        raise _Refused(504, f"connecting took longer than {timeout_ms} ms (egress.connect_timeout_ms)",
+                       reason="connect timeout") from None
+    raise _Refused(502, last.lower() if last else "connection failed", reason="connect failed")
+
+
+async def _reply(conn: socket.socket, status: int, kind: str, message: str) -> None:
+    """Answer and end the request: the answer, then EOF, then what the client still sends is read and dropped
+    (briefly: closing over unread bytes would reset the connection, and the client would see a reset
+    instead of the answer)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(HEAD_TIMEOUT_S):
+            await loop.sock_sendall(conn, _answer(status, kind, message))
+        conn.shutdown(socket.SHUT_WR)
         async with asyncio.timeout(1.0):
-            await reader.read(MAX_HEAD_BYTES)
-    except (TimeoutError, ConnectionError):
+            await loop.sock_recv(conn, MAX_HEAD_BYTES)
+    except (TimeoutError, OSError):
         pass
 
 
@@ -387,55 +462,47 @@ def _authority(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-class _Bucket:
-    """A token bucket of bytes per second, shared by a sandbox's connections: a sandbox moving
-    data as fast as it can costs the daemon's loop a bounded share of a core."""
+class _Share:
+    """One sandbox's egress bytes, both ways: a token bucket at ``egress.rate_bytes`` a second, and
+    never more than an equal share of ``egress.total_rate_bytes`` among the sandboxes moving data
+    now (the proxy's ``share``); one second's worth at once."""
 
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._tokens = rate  # one second's worth at once
+    def __init__(self, proxy: EgressProxy) -> None:
+        self._proxy = proxy
+        self._tokens = float(proxy.config.rate_bytes)
         self._at = time.monotonic()
 
-    async def spend(self, size: int) -> None:
-        now = time.monotonic()
-        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate) - size
+    def _refill(self, now: float) -> float:
+        rate = self._proxy.share(now)
+        self._tokens = min(rate, self._tokens + (now - self._at) * rate)
         self._at = now
-        if self._tokens < 0:
-            await asyncio.sleep(-self._tokens / self.rate)
+        return rate
+
+    def available(self) -> float:
+        self._refill(time.monotonic())
+        return self._tokens
+
+    def refill_time(self, size: float) -> float:
+        rate = self._refill(time.monotonic())
+        return max(0.0, (size - self._tokens) / rate)
+
+    def spend(self, size: int) -> None:
+        now = time.monotonic()
+        self._refill(now)
+        self._tokens -= size
+        self._proxy.moving(self, now)
 
 
-async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 upstream_reader: asyncio.StreamReader, upstream_writer: asyncio.StreamWriter,
-                 idle_timeout_s: float, bucket: _Bucket) -> None:
-    """Copy both ways until the upstream is done, or both sides are, or nothing moves for ``idle_timeout_s``."""
-    last = [time.monotonic()]
+class _Debt:
+    """A token bucket that lends: ``take`` always takes one and says how long to wait to have paid it back
+    (new egress connections: ``egress.connect_rate`` a second, a second's worth at once)."""
 
-    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        while True:
-            data = await src.read(CHUNK)
-            if not data:
-                if dst.can_write_eof() and not dst.is_closing():
-                    dst.write_eof()
-                return
-            await bucket.spend(len(data))
-            dst.write(data)
-            await dst.drain()  # backpressure: a slow reader slows the writer, nothing piles up here
-            last[0] = time.monotonic()
+    def __init__(self) -> None:
+        self._tokens: float | None = None
+        self._at = time.monotonic()
 
-    up = asyncio.ensure_future(pump(reader, upstream_writer))
-    down = asyncio.ensure_future(pump(upstream_reader, writer))
-    try:
-        pending = {up, down}
-        while pending:
-            done, pending = await asyncio.wait(pending, timeout=min(idle_timeout_s, 5.0),
-                                               return_when=asyncio.FIRST_COMPLETED)
-            if down in done or any(task.exception() is not None for task in done if not task.cancelled()):
-                break  # the response ended (or a side broke): nothing more to carry
-            if not done and time.monotonic() - last[0] > idle_timeout_s:
-                break
-        if down.done() and not down.cancelled() and down.exception() is None:
-            await writer.drain()
-    finally:
-        for task in (up, down):
-            task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
+    def take(self, rate: float) -> float:
+        now = time.monotonic()
+        tokens = rate if self._tokens is None else min(rate, self._tokens + (now - self._at) * rate)
+        self._tokens, self._at = tokens - 1, now
+        return 0.0 if self._tokens >= 0 else -self._tokens / rate

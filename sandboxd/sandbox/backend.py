@@ -26,10 +26,10 @@ EgressContext = Callable[[], "tuple[str | None, frozenset[str]]"]
 
 
 class EgressSession(Protocol):
-    """One sandbox's way out (egress/proxy.py): the backend hands it each connection from the sandbox."""
+    """One sandbox's way out (egress/proxy.py): it serves the sandbox's egress socket."""
 
-    async def handle(self, conn: socket.socket) -> None:
-        """Serve one connection the sandbox made (the backend checked who made it); never raises."""
+    async def serve(self, listener: socket.socket, uid: int) -> None:
+        """Accept and serve the connections made to ``listener`` by ``uid`` (the sandbox's) until cancelled."""
         ...
 
     def close(self) -> None:

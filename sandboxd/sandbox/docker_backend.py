@@ -218,23 +218,6 @@ class _AttachProtocol(asyncio.Protocol):
         self._sandbox.transport_closed()
 
 
-async def _accept_egress(sock: socket.socket, uid: int, session: EgressSession, sandbox_id: str) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            conn, _ = await loop.sock_accept(sock)
-        except OSError as exc:  # out of fds, say: the sandbox's way out stops, the daemon goes on
-            log.warning("egress_accept_failed", sandbox=sandbox_id, error=str(exc))
-            await asyncio.sleep(1)
-            continue
-        peer = peer_credentials(conn)
-        if peer.uid != uid:  # only the sandbox mounts the directory; anyone else is refused
-            log.warning("egress_foreign_peer", sandbox=sandbox_id, pid=peer.pid, uid=peer.uid)
-            conn.close()
-            continue
-        loop.create_task(session.handle(conn))
-
-
 def _set_reading(transport: asyncio.Transport | None, on: bool) -> None:
     if transport is None or transport.is_closing() or transport.is_reading() == on:
         return
@@ -289,8 +272,7 @@ class DockerSandbox(ShimSandbox):
         """Hand each connection to ``egress.sock`` to the proxy's session for this sandbox."""
         assert sockets.egress is not None
         self._sockets, self._egress = sockets, session
-        self._egress_accept = asyncio.get_running_loop().create_task(
-            _accept_egress(sockets.egress, sockets.uid, session, self.id))
+        self._egress_accept = asyncio.get_running_loop().create_task(session.serve(sockets.egress, sockets.uid))
 
     def close_egress(self) -> None:
         """End the sandbox's way out: no new connections, the open ones closed, the socket removed."""

@@ -3,7 +3,7 @@ import { readFileSync } from "node:fs";
 import * as http from "node:http";
 import * as net from "node:net";
 
-type Params = { mode: string; url?: string; request?: string; host?: string; port?: number };
+type Params = { mode: string; url?: string; request?: string; host?: string; port?: number; seconds?: number };
 
 const EGRESS_SOCKET = "/officer/run/egress.sock";
 
@@ -40,6 +40,49 @@ async function hold(count: number, request: string): Promise<unknown> {
   const answer = await raw(request);
   for (const sock of held) sock.destroy();
   return answer;
+}
+
+/** Read `url`'s body for `seconds`, dropping it: how many bytes got through. */
+async function pump(url: string, seconds: number): Promise<unknown> {
+  const started = Date.now();
+  const controller = new AbortController();
+  const timer = setTimeout(() => controller.abort(), seconds * 1000);
+  let bytes = 0;
+  try {
+    const res = await fetch(url, { signal: controller.signal });
+    const reader = res.body!.getReader();
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      bytes += value.byteLength;
+    }
+  } catch (e: any) {
+    if (e?.name !== "AbortError") return { ...describe(e), bytes };
+  } finally {
+    clearTimeout(timer);
+  }
+  return { bytes, ms: Date.now() - started };
+}
+
+/** `loops` loops sending `request` on a fresh egress connection each, as fast as they can, for `seconds`. */
+async function flood(request: string, loops: number, seconds: number): Promise<unknown> {
+  const until = Date.now() + seconds * 1000;
+  const counts: Record<string, number> = {};
+  const one = () => new Promise<string>((resolve) => {
+    const sock = net.connect({ path: EGRESS_SOCKET });
+    let head = "";
+    sock.on("connect", () => sock.write(request));
+    sock.on("data", (d) => { head += d.toString("latin1"); });
+    sock.on("error", (e: any) => resolve(`error ${e?.code ?? e}`));
+    sock.on("close", () => resolve(head.split("\r\n")[0] || "closed"));
+  });
+  await Promise.all(Array.from({ length: loops }, async () => {
+    while (Date.now() < until) {
+      const outcome = await one();
+      counts[outcome] = (counts[outcome] ?? 0) + 1;
+    }
+  }));
+  return counts;
 }
 
 function viaHttp(url: string): Promise<unknown> {
@@ -106,6 +149,10 @@ export async function execute(_id: string, params: Params) {
       } catch (e) {
         return report(describe(e));
       }
+    case "pump":
+      return report(await pump(params.url!, params.seconds ?? 10));
+    case "flood":
+      return report(await flood(params.request ?? "", params.port ?? 1, params.seconds ?? 10));
     case "http":
       return report(await viaHttp(params.url!));
     case "python":
