@@ -1,4 +1,4 @@
-"""Checks of a tool's entry file for the mistakes TOOLS.md lists under "Common Mistakes".
+"""Checks of a tool's entry file for the common mistakes (docs/tool-development.md, "Check").
 
 The source (TypeScript or JavaScript) is parsed with tree-sitter's TypeScript
 grammar (TSX for .tsx/.jsx), so each check looks at a syntax tree: nothing
@@ -326,11 +326,24 @@ def _module_exports_value(at: Node, value: Node | None, out: _Exports, how: str)
         root = at
         while root.parent is not None:
             root = root.parent
-        declared = _local_definition(root, _text(value), kinds=_CLASSES)
-        if declared is not None:
+        declared = _local_definition(root, _text(value))
+        if declared is not None and declared.type in _CLASSES:
             out.problems.append((at, "class-pattern",
                                  f"{how} is set to the class {_text(value)}: class-based tools are not supported",
                                  EXPORT_FIX))
+            return
+        defined = _unwrap(declared.child_by_field_name("value")) if declared is not None \
+            and declared.type == "variable_declarator" else declared
+        if defined is not None and defined.type in _FUNCTIONS:
+            # What the shim then says at every call: "sets module.exports to a function (...), so there is
+            # no execute export". The loader looks for a property named execute, not at the function.
+            function = _text(value)
+            exported = "{ execute }" if function == "execute" else f"{{ execute: {function} }}"
+            out.problems.append((at, "module-exports",
+                                 f"{how} is set to the function {function}, so there is no execute export "
+                                 "and every call fails",
+                                 f"export it by name instead: 'export async function execute(...)' "
+                                 f"(or at least '{how} = {exported}')"))
             return
     out.unknown = True  # require(...), a variable, new X(): cannot tell from here
     out.commonjs, out.commonjs_how = at, how
@@ -503,8 +516,9 @@ def check_entry_source(text: str, path: Path, read_module: ModuleReader | None =
                     "which is the only thing the loader calls", EXPORT_FIX)
     elif exports.commonjs is not None:
         add(exports.commonjs, "module-exports",
-            f"{name} exports through {exports.commonjs_how}: sandboxd runs it, but TOOLS.md says module.exports "
-            "does not work and pi's own loader does not find execute there", EXPORT_FIX, "warning")
+            f"{name} exports execute through {exports.commonjs_how}: sandboxd finds it there, but the tool format "
+            "(docs/tools.md) asks for a named export, and pi's own loader does not find execute there",
+            EXPORT_FIX, "warning")
 
     entry_point_severity = "warning" if exported or exports.unknown else "error"
     for node, snippet in _cli_entry_points(root):
@@ -541,9 +555,12 @@ def check_entry_source(text: str, path: Path, read_module: ModuleReader | None =
                 "use onUpdate for progress and console.error for debugging logs", "warning")
         for node in _escaping_throws(execute):
             add(node, "throw",
-                "a throw in execute outside any try block: the agent gets a generic error it cannot act on",
-                "return an error result instead, e.g. 'return err(\"what went wrong and what to do\")', or wrap "
-                "execute's body in try/catch and return { content: [...], isError: true } from the catch", "warning")
+                "a throw in execute outside any try block: the call fails and the agent reads only the error's "
+                "message (from a bug, e.g. 'TypeError: Cannot read properties of undefined')",
+                "return an error result that tells the agent what went wrong and what to do, e.g. "
+                "'return err(\"...\")', or "
+                "wrap execute's body in try/catch and return { content: [...], isError: true } from the catch",
+                "warning")
         _return_checks(execute, add)
     return sorted(findings, key=lambda p: (p.path != path, p.line or 0))
 
@@ -670,9 +687,9 @@ def _in_try_block(node: Node, within: Node) -> bool:
 
 
 def _return_checks(execute: Node, add: Callable[..., None]) -> None:
-    """An execute that never returns a value is an error; one with a path that ends without a return
-    (TypeScript's noImplicitReturns) is a warning. An end that cannot be reached (every path returns
-    or throws) is fine."""
+    """An execute that never returns a value is an error, and so is one with a path that ends without
+    a return (TypeScript's noImplicitReturns). An end that cannot be reached (every path returns or
+    throws) is fine."""
     body = execute.child_by_field_name("body")
     if body is None or body.type != "statement_block":
         return  # an arrow's expression body is its return value
@@ -693,11 +710,13 @@ def _return_checks(execute: Node, add: Callable[..., None]) -> None:
             "'execute returned undefined' instead of an answer",
             f"end execute with a return of its result: '{RETURN_FIX}' (or 'return ok(text)')", "error")
     else:
+        # An error, not a style point: every call that takes that path fails (often the success path,
+        # when the error branches are the ones that return).
         add(execute, "implicit-return",
-            "a path through execute ends without a return (TypeScript's noImplicitReturns): on that path the "
-            "agent gets 'execute returned undefined'",
-            f"return a result at the end of execute too, e.g. 'return err(\"what went wrong\")' or '{RETURN_FIX}'",
-            "warning", line=end_line)
+            "a path through execute reaches its end without a return (TypeScript's noImplicitReturns): every "
+            "call that takes it fails with 'execute returned undefined'",
+            f"return a result at the end of that path too, e.g. 'return ok(text)' or '{RETURN_FIX}'",
+            "error", line=end_line)
 
 
 def _completes(node: Node) -> bool:
@@ -768,7 +787,7 @@ def check_synced_copy(tool_dir: Path, data_path: Path) -> list[Problem]:
     """"Bump version": the tool differs from its synced copy in DATA_PATH/tools, which sync will keep.
 
     Sync copies a seed tool only when its version is higher than the installed
-    one's (TOOLS.md, "How Sync Works"), so an edit without a bump never arrives.
+    one's (docs/tools.md, "Sync"), so an edit without a bump never arrives.
     Tools inside DATA_PATH (the synced copies themselves, users' own tools) are
     not synced and not checked.
     """

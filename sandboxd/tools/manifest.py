@@ -13,6 +13,7 @@ bounds depth, nodes and time; the frontmatter is bounded in bytes here.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import json
@@ -226,6 +227,13 @@ class _ManifestChecker:
         self.problems.append(Problem(self.path, _one_line(message), _one_line(fix),
                                      None if field is None else _one_line(field), line, severity))
 
+    def _amend(self, field: str, addition: str) -> None:
+        """Add to the message of the problem already reported for ``field``."""
+        for index, problem in enumerate(self.problems):
+            if problem.field == field:
+                self.problems[index] = dataclasses.replace(problem, message=problem.message + _one_line(addition))
+                return
+
     def _line(self, field: str | None) -> int | None:
         while field:
             if field in self.lines:
@@ -424,7 +432,8 @@ class _ManifestChecker:
         optional = self._flag(field, spec, "optional")
         sensitive = self._flag(field, spec, "sensitive")
         values = self._values(field, spec, kind)
-        default = self._default(field, spec, kind, values)
+        assumed = kind == "string" and spec.get("type") != "string"  # an unknown type, taken as string
+        default = self._default(field, spec, kind, values, assumed)
         for key in spec:
             if key not in INPUT_KEYS:
                 self._unknown_input_key(field, key)
@@ -514,7 +523,8 @@ class _ManifestChecker:
             self.error(where, "values is empty", "list the allowed values: 'values: a,b,c'")
         return tuple(values) if clean else None
 
-    def _default(self, field: str, spec: dict[Any, Any], kind: str, values: tuple[str, ...] | None) -> Any:
+    def _default(self, field: str, spec: dict[Any, Any], kind: str, values: tuple[str, ...] | None,
+                 assumed: bool = False) -> Any:
         if "default" not in spec:
             return NO_DEFAULT
         value = spec["default"]
@@ -531,6 +541,11 @@ class _ManifestChecker:
             ok = isinstance(value, bool)
         else:
             ok = isinstance(value, str)
+        if not ok and assumed:
+            # `type: integer` with `default: 5`: the type's warning already names the fix (type: number);
+            # "quote the default" would be a second, wrong one. Say the default is dropped in that warning.
+            self._amend(f"{field}.type", f", so its default {_describe(value)} is ignored")
+            return NO_DEFAULT
         if not ok:
             if isinstance(value, str) and kind in ("number", "boolean") and _reads_as(value, kind):
                 fix = f"write it without quotes: 'default: {value.strip()}'"

@@ -25,9 +25,7 @@ class Problem:
         return self.severity == "error"
 
     def __str__(self) -> str:
-        parts = [f"{self.path}:{self.line}" if self.line else str(self.path)]
-        if self.severity == "warning":
-            parts.append("warning")
+        parts = [f"{self.path}:{self.line}" if self.line else str(self.path), self.severity]
         if self.field:
             parts.append(self.field)
         parts.append(f"{self.message.rstrip('.')}. Fix: {self.fix.rstrip('.')}")

@@ -58,7 +58,7 @@ Bump `version` whenever you change this tool, or sync keeps the old copy.
 INDEX_TS = """\
 // __NAME__: what the agent calls. The loader calls execute() with the inputs declared in
 // TOOL.md. Return a ToolResult: the agent sees only what you return, never what you print,
-// and a thrown error reaches it as a generic message, so return err('...') instead.
+// and of a thrown error only its message, so return err('...') saying what to do instead.
 
 type TextBlock = { type: 'text'; text: string };
 

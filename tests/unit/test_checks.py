@@ -287,7 +287,7 @@ def test_execute_exports_that_work(source: str) -> None:
     assert findings(source) == []
 
 
-# CommonJS exports run in sandboxd but not in pi's own loader (TOOLS.md: "module.exports do not work"): a warning.
+# CommonJS exports of an object with execute run in sandboxd but not in pi's own loader: a warning.
 @pytest.mark.parametrize(("source", "line"), [
     ("exports.execute = async function (_id, p) { return ok(p.x); };", 1),
     ("module.exports.execute = async () => ok('x');", 1),
@@ -321,6 +321,12 @@ def test_commonjs_exports_work_here_but_warn(source: str, line: int) -> None:
     ("module.exports = async function (id, p) {};", "module-exports", "set to a function"),
     ("module.exports = (id, p) => ({ content: [] });", "module-exports", "set to a function"),
     ("module.exports = { run() {} };", "module-exports", "an object without execute"),
+    # Issue 29: what the shim refuses at every call ("sets module.exports to a function (execute)").
+    ("async function execute(id, p) { return ok('x'); }\nmodule.exports = execute;", "module-exports",
+     "module.exports is set to the function execute, so there is no execute export"),
+    ("const run = async (id, p) => ok('x');\nmodule.exports = run;", "module-exports",
+     "set to the function run"),
+    ("function execute() { return ok('x'); }\nexport = execute;", "module-exports", "export = is set to the function"),
 ])
 def test_missing_execute_export_is_an_error(source: str, check: str, fragment: str) -> None:
     [problem] = check_entry_source(source, Path("index.ts"))
@@ -614,8 +620,40 @@ def test_a_bare_return_is_not_a_result() -> None:
      "    console.error(e);\n  }\n}", 7),
     ("export async function execute(_id, p) {\n  for (const x of p.xs) { if (x) return ok(x); }\n}", 3),
 ])
-def test_a_path_that_ends_without_a_return_is_a_warning(source: str, line: int) -> None:
-    assert findings(source) == [("implicit-return", line, "warning")]
+def test_a_path_that_ends_without_a_return_is_an_error(source: str, line: int) -> None:
+    assert findings(source) == [("implicit-return", line, "error")]
+
+
+@pytest.mark.parametrize("entry", ["index.js", "index.ts"])
+def test_module_exports_set_to_execute_fails_validate(tmp_path: Path, entry: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: `module.exports = execute` was a warning saying "sandboxd runs it"; the shim refuses it."""
+    tool = tmp_path / "weather"
+    tool.mkdir()
+    (tool / "TOOL.md").write_text("---\nname: weather\ndescription: Weather.\nversion: 1\n---\n# weather\n")
+    (tool / entry).write_text("async function execute(_id, params) {\n"
+                              "  return { content: [{ type: 'text', text: 'sunny' }] };\n}\nmodule.exports = execute;\n")
+    assert main(["validate", str(tool)]) == 1
+    out = capsys.readouterr().out
+    assert f"{tool}/{entry}:4: error: module-exports: module.exports is set to the function execute" in out, out
+    assert "sandboxd runs it" not in out and out.endswith("1 error, 0 warnings\n")
+
+
+def test_a_success_path_that_falls_off_the_end_fails_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: the error branches return, the success path does not, so every successful call
+    fails with "execute returned undefined"; validate must exit 1."""
+    tool = tmp_path / "weather"
+    tool.mkdir()
+    (tool / "TOOL.md").write_text("---\nname: weather\ndescription: Weather.\nversion: 1\n---\n# weather\n")
+    (tool / "index.ts").write_text(
+        "export async function execute(_id: string, params: { city?: string }) {\n"
+        "  if (!params.city) return { content: [{ type: 'text', text: 'no city' }], isError: true };\n"
+        "  const answer = `sunny in ${params.city}`;\n"
+        "}\n")
+    assert main(["validate", str(tool)]) == 1
+    out = capsys.readouterr().out
+    assert f"{tool}/index.ts:4: error: implicit-return: " in out and "execute returned undefined" in out, out
+    assert out.endswith("1 error, 0 warnings\n")
 
 
 @pytest.mark.parametrize("source", [

@@ -270,6 +270,15 @@ def test_an_unknown_type_becomes_string_with_a_warning(kind: str, fix: str) -> N
     assert problem.field == "inputs.when.type" and fix in problem.fix
 
 
+def test_an_integer_input_with_a_number_default_is_one_warning_with_the_right_fix() -> None:
+    """Issue 29: `type: integer` + `default: 5` said "use type: number", then wrongly "quote the default"."""
+    manifest, problems = input_problems("  count:\n    type: integer\n    description: How many.\n    default: 5\n")
+    problem = only(problems, "warning")
+    assert manifest is not None and manifest.inputs[0].type == "string" and not manifest.inputs[0].has_default
+    assert problem.message == "unknown type 'integer' is treated as string, so its default 5 is ignored"
+    assert problem.fix == "use 'type: number'"
+
+
 def test_an_input_without_type_or_description_is_an_error_for_each() -> None:
     manifest, problems = input_problems("  q:\n    optional: true\n")
     assert manifest is None
@@ -511,7 +520,7 @@ inputs:
 
 def test_a_problem_prints_as_one_line_with_place_field_and_fix() -> None:
     problem = Problem(Path("t/TOOL.md"), "version must be an integer", "write version: 2", "version", 3)
-    assert str(problem) == "t/TOOL.md:3: version: version must be an integer. Fix: write version: 2"
+    assert str(problem) == "t/TOOL.md:3: error: version: version must be an integer. Fix: write version: 2"
     warning = Problem(Path("t/TOOL.md"), "no body.", "add one.", severity="warning")
     assert str(warning) == "t/TOOL.md: warning: no body. Fix: add one"
 

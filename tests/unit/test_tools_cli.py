@@ -263,11 +263,11 @@ def test_validate_prints_every_problem_and_fails_on_errors(tmp_path: Path, capsy
     code, out, _ = run(capsys, "validate", str(bad))
     assert code == 1
     assert out.splitlines() == [
-        f"{bad}/TOOL.md: description: description is required. "
+        f"{bad}/TOOL.md: error: description: description is required. "
         "Fix: add 'description: <what the tool does and when the agent should use it>'",
-        f"{bad}/TOOL.md:2: name: name 'Bad' is not snake_case (lowercase letters, digits and _, starting with a "
+        f"{bad}/TOOL.md:2: error: name: name 'Bad' is not snake_case (lowercase letters, digits and _, starting with a "
         "letter). Fix: rename it: 'name: bad'",
-        f"{bad}/TOOL.md:3: version: version must be an integer, got \"2\". "
+        f"{bad}/TOOL.md:3: error: version: version must be an integer, got \"2\". "
         "Fix: write a whole number without quotes, e.g. 'version: 2'",
         "3 errors, 0 warnings",
     ]
