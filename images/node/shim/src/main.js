@@ -221,10 +221,8 @@ async function handleCall(msg) {
       out.callLog(`execute settled after its call was answered: ${results.thrownMessage(e)}`);
       return undefined;
     }
-    const text = results.thrownMessage(e);
-    const stack = e && typeof e === 'object' && typeof e.stack === 'string' ? e.stack : text;
-    out.callLog(`execute failed: ${stack}`);
-    result = results.errorResult(text);
+    out.callLog(`execute failed: ${results.toolStack(e)}`);
+    result = results.errorResult(results.thrownMessage(e));
   }
   if (!finish(call, result)) out.callLog('execute settled after its call was answered (stray error); result dropped');
   return undefined;
@@ -243,7 +241,7 @@ function handleCancel(params) {
 // The shim itself keeps going.
 function strayError(err, kind) {
   const text = results.thrownMessage(err);
-  const stack = err && typeof err === 'object' && typeof err.stack === 'string' ? err.stack : text;
+  const stack = results.toolStack(err);
   const owner = callScope.getStore();
   if (owner && owner !== current) {
     // Left behind by a call that was already answered: not the running call's fault.

@@ -83,6 +83,27 @@ function thrownMessage(e) {
   return `execute threw ${preview(e)}`;
 }
 
+// Frames of the shim itself (this folder) and of Node's internals: a tool's stack ends in them.
+const SHIM_DIR = `${__dirname}${path.sep}`;
+const FRAME = /^\s+at /;
+const notTheTools = (line) =>
+  line.includes(SHIM_DIR) || /\(node:|\bat node:|\(<anonymous>\)|\(index \d+\)$/.test(line);
+
+/**
+ * What the log shows of something a tool threw: its stack down to the tool's own last frame.
+ * The frames below it are the shim's (the call's dispatch, the line reader, the socket),
+ * the same ten at every call, which only hide the tool's frames.
+ */
+function toolStack(e) {
+  const text = thrownMessage(e);
+  if (!e || typeof e !== 'object' || typeof e.stack !== 'string') return text;
+  const lines = e.stack.split('\n');
+  let end = lines.length;
+  while (end > 0 && FRAME.test(lines[end - 1]) && notTheTools(lines[end - 1])) end -= 1;
+  // A stack of shim frames alone (an error the shim raised about the tool) keeps its first line only.
+  return lines.slice(0, end).join('\n');
+}
+
 /** An error from loading an entry, with a message that says so. */
 function loadFailure(e, entry) {
   if (e && e.name === 'ToolLoadError') return e;
@@ -308,6 +329,7 @@ module.exports = {
   BUN_MESSAGE,
   resolveExecute,
   thrownMessage,
+  toolStack,
   isBun,
   loadFailure,
   notAToolResult,

@@ -111,3 +111,28 @@ test('safeStdio (fallback child_process patch) keeps children off fds 0/1', () =
   assert.equal(safeStdio(undefined), undefined);
   assert.deepEqual(safeStdio(undefined, true), ['ignore', 2, 'inherit', 'ipc']);
 });
+
+test('toolStack: the tool\'s frames stay, the shim\'s and Node\'s below them go', () => {
+  const shim = require('node:path').join(__dirname, '..', 'src');
+  const e = new Error('the service is down');
+  e.stack = [
+    'Error: the service is down',
+    '    at fetchWeather (/officer/user/tools/weather/lib.ts:3:9)',
+    `    at fetch (${shim}/egress.js:10:2)`,
+    '    at async Object.execute (/officer/user/tools/weather/index.ts:8:3)',
+    `    at ${shim}/main.js:216:22`,
+    '    at AsyncLocalStorage.run (node:async_hooks:346:14)',
+    `    at handleCall (${shim}/main.js:206:35)`,
+    '    at Socket.emit (node:events:524:28)',
+  ].join('\n');
+  assert.equal(results.toolStack(e), [
+    'Error: the service is down',
+    '    at fetchWeather (/officer/user/tools/weather/lib.ts:3:9)',
+    `    at fetch (${shim}/egress.js:10:2)`,
+    '    at async Object.execute (/officer/user/tools/weather/index.ts:8:3)',
+  ].join('\n'));
+  assert.equal(results.toolStack('a thrown string'), 'a thrown string');
+  const own = new Error('x');
+  own.stack = `Error: x\n    at resolveExecute (${shim}/result.js:60:9)\n    at node:internal/x:1:1`;
+  assert.equal(results.toolStack(own), 'Error: x');
+});

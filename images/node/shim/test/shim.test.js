@@ -473,6 +473,11 @@ describe('calling', () => {
       assert.deepEqual(result, { status: 'error', content: [{ type: 'text', text: 'boom: the thing failed' }], isError: true });
       assert.match(shim.stderr, /\[throw_1\] execute failed: Error: boom: the thing failed/);
       assert.ok(shim.stderr.includes(`${entry('throw')}:${line}:`), `stack maps to index.ts:${line}\n${shim.stderr}`);
+      // The tool's frames only: the shim's own ten (dispatch, line reader, socket) are dropped.
+      const logged = shim.stderr.slice(shim.stderr.indexOf('[throw_1] execute failed:')).split('\n')
+        .filter((l) => l.startsWith('[throw_1]'));
+      assert.equal(logged.length, 2, `the message and the tool's one frame:\n${logged.join('\n')}`);
+      assert.ok(!logged.some((l) => l.includes(path.join('shim', 'src')) || l.includes('(node:')), logged.join('\n'));
       const type = await shim.call('throw', { kind: 'type' });
       assert.match(shim.text(type.result), /^TypeError: Cannot read properties of undefined/);
       const str = await shim.call('throw', { kind: 'string' });
