@@ -7,7 +7,7 @@ LOCAL  := .sandboxd
 .PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
 
 help:
-	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/)"
+	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
 	@echo "make test    every test: unit, shim (node --test) and end-to-end against real Docker"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
@@ -29,8 +29,12 @@ docker:
 image: docker
 	bash images/node/build.sh
 
+# The daemon with the checkout's defaults, as every other command in the checkout has them: data in
+# $(LOCAL)/data, seed/tools. SOCKET=PATH picks the socket (then `export SANDBOXD_SOCKET=PATH` in the
+# shell that calls it); by default it is the service's /run/sandboxd/sandboxd.sock as root.
+SOCKET ?=
 serve: setup image
-	$(BIN)/sandboxd serve --data-path $(LOCAL)/data
+	$(BIN)/sandboxd serve$(if $(SOCKET), --socket $(SOCKET))
 
 test: setup image clients
 	node --test images/node/shim/test/*.test.js

@@ -66,14 +66,26 @@ def default_socket_path() -> Path:
     return Path(f"/tmp/sandboxd-{os.geteuid()}/sandboxd.sock")
 
 
+def checkout() -> Path | None:
+    """The source tree this sandboxd runs from (a clone with `make setup`), or None when it is installed."""
+    if (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "seed" / "tools").is_dir():
+        return REPO_ROOT
+    return None
+
+
 def default_data_path() -> Path:
+    # In a checkout, every command (make serve's daemon, validate, run, tools list --disk) reads
+    # the checkout's own data: one default, so they agree (docs/config.md, "Where the data is").
+    tree = checkout()
+    if tree is not None:
+        return tree / ".sandboxd" / "data"
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "sandboxd"
 
 
 def default_seed_tools() -> Path | None:
-    seed = REPO_ROOT / "seed" / "tools"
-    return seed if seed.is_dir() else None
+    tree = checkout()
+    return tree / "seed" / "tools" if tree is not None else None
 
 
 class _Section(BaseModel):

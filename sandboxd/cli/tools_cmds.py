@@ -251,6 +251,12 @@ def sync_command(args: argparse.Namespace, config: Config) -> int:
 
 def validate_command(args: argparse.Namespace, config: Config) -> int:
     problems = validate_paths(args.paths, data_path=config.data_path)
+    synced = global_tools_dir(config.data_path)
+    # Which data the bump check read: a wrong data path would make it pass silently.
+    if synced.is_dir():
+        _note(f"version bumps checked against the synced tools in {synced}")
+    else:
+        _note(f"version bumps not checked: {synced} does not exist (the daemon's data elsewhere? pass --data-path)")
     errors = sum(p.is_error for p in problems)
     if args.json:
         _print_json({"problems": [p.to_dict() for p in problems], "errors": errors, "warnings": len(problems) - errors})
