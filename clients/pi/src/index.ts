@@ -68,12 +68,22 @@ export function createSandboxdExtension(options: SandboxdPiOptions): ExtensionFa
   const log = options.log ?? stderr;
   return (pi: ExtensionAPI) => {
     const client = options.client ?? new SandboxdClient({ socketPath: options.socketPath });
+    // pi gives a thrown error's result empty details; its tool_result hook may set them. So a
+    // failed call's status and duration wait here, by toolCallId, until pi builds that result.
+    const failed = new Map<string, SandboxdDetails>();
     pi.on("session_start", async () => {
-      await registerTools(pi, client, options, log);
+      await registerTools(pi, client, options, log, (toolCallId, details) => failed.set(toolCallId, details));
     });
-    if (options.client === undefined) {
-      pi.on("session_shutdown", async () => client.close());
-    }
+    pi.on("tool_result", (event) => {
+      const details = failed.get(event.toolCallId);
+      if (details === undefined) return undefined;
+      failed.delete(event.toolCallId);
+      return { details };
+    });
+    pi.on("session_shutdown", async () => {
+      failed.clear();
+      if (options.client === undefined) client.close();
+    });
   };
 }
 
@@ -88,7 +98,11 @@ export default function sandboxdExtension(pi: ExtensionAPI): void {
   createSandboxdExtension({ user })(pi);
 }
 
-async function registerTools(pi: ExtensionAPI, client: SandboxdClient, options: SandboxdPiOptions, log: (line: string) => void) {
+/** Told the details of each call that did not end `ok`, just before its error is thrown. */
+export type FailureListener = (toolCallId: string, details: SandboxdDetails) => void;
+
+async function registerTools(pi: ExtensionAPI, client: SandboxdClient, options: SandboxdPiOptions,
+  log: (line: string) => void, onFailure: FailureListener) {
   let tools: Tool[];
   let allowedEnv: string[] | undefined;
   try {
@@ -114,12 +128,13 @@ async function registerTools(pi: ExtensionAPI, client: SandboxdClient, options: 
       log(`[@sandboxd/pi] skipped the sandboxd tool ${tool.name}: pi already has a tool of that name; rename one of them.`);
       continue;
     }
-    pi.registerTool(toolDefinition(tool, client, options, envNames));
+    pi.registerTool(toolDefinition(tool, client, options, envNames, onFailure));
   }
 }
 
 /** pi's registration of one sandboxd tool. */
-export function toolDefinition(tool: Tool, client: SandboxdClient, options: SandboxdPiOptions, envNames: string[]): ToolDefinition {
+export function toolDefinition(tool: Tool, client: SandboxdClient, options: SandboxdPiOptions, envNames: string[],
+  onFailure?: FailureListener): ToolDefinition {
   const documentation = tool.documentation.trim();
   return {
     name: tool.name,
@@ -149,6 +164,7 @@ export function toolDefinition(tool: Tool, client: SandboxdClient, options: Sand
       const details: SandboxdDetails = { status: result.status, durationMs: result.durationMs };
       if (result.status !== "ok") {
         // Thrown, not returned: pi marks a call failed only when execute throws.
+        onFailure?.(toolCallId, details);
         throw new SandboxdToolError(resultText(result) || `${tool.name} ended with status ${result.status}.`, details);
       }
       return { content: piContent(result.content), details };

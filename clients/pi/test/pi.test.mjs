@@ -161,6 +161,10 @@ test("a tool's isError reaches pi as an error, with the tool's words", async () 
     const failed = results.get("call_fails");
     assert.equal(failed.isError, true);
     assert.match(text(failed), /the quota is exhausted; ask the user to raise it/);
+    // Thrown, yet pi's details hold the call's status and duration (set through pi's tool_result hook).
+    assert.equal(failed.details.status, "error");
+    assert.equal(typeof failed.details.durationMs, "number");
+    assert.deepEqual(Object.keys(failed.details).sort(), ["durationMs", "status"]);
     assert.equal(results.get("call_fine").isError, false);
     assert.deepEqual(new Map(ends), new Map([["call_fails", true], ["call_fine", false]]));
   } finally {
@@ -199,6 +203,7 @@ test("aborting pi fires the tool's AbortSignal inside the sandbox, and pi record
     assert.match(readFileSync(mark, "utf8"), /^aborted: /);
     const result = pi.toolResults().get("call_sleep");
     assert.equal(result.isError, true);
+    assert.equal(result.details.status, "cancelled");
     await waitFor(async () => (await probe.status()).callsInFlight === 0, "the call answered");
   } finally {
     pi.dispose();
