@@ -1,3 +1,5 @@
 """sandboxd: runs agents' tools in warm, hardened Node.js sandboxes."""
 
-__version__ = "0.1.0"
+# One version for the daemon and the runner image it runs (images/node/VERSION): they are
+# released together, and a test keeps the two equal. pyproject.toml reads it from here.
+__version__ = "0.4.0"

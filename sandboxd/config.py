@@ -18,12 +18,13 @@ from typing import Any, Callable, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sandboxd import __version__
 from sandboxd.egress.policy import AllowEntry
 from sandboxd.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUNNER_IMAGE = "sandboxd/node:0.4.0"  # tests check this matches images/node/VERSION
+RUNNER_IMAGE = f"sandboxd/node:{__version__}"  # tests check this matches images/node/VERSION
 
 # Integration variables pi-bridge may pass per call (TOOLS.md, "Available Environment Variables").
 DEFAULT_ALLOWED_ENV = [
@@ -478,6 +479,22 @@ def _describe(error: ValidationError, source: str) -> str:
     return f"invalid configuration ({source}): " + "; ".join(lines)
 
 
+def config_file(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The file load_config reads: ``path``, else $SANDBOXD_CONFIG, else /etc/sandboxd/config.yaml if present."""
+    environ = os.environ if environ is None else environ
+    if path is None and environ.get("SANDBOXD_CONFIG"):
+        path = Path(environ["SANDBOXD_CONFIG"])
+    if path is None and SYSTEM_CONFIG.is_file():
+        path = SYSTEM_CONFIG
+    return path
+
+
+def env_keys(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The SANDBOXD_* variables that set keys (names only: a value may be a secret)."""
+    environ = os.environ if environ is None else environ
+    return sorted(name for name in environ if name.startswith("SANDBOXD_") and name != "SANDBOXD_CONFIG")
+
+
 def load_config(
     path: Path | None = None,
     *,
@@ -486,10 +503,7 @@ def load_config(
 ) -> Config:
     """Build the Config. ``path`` None means $SANDBOXD_CONFIG, then /etc/sandboxd/config.yaml if present."""
     environ = os.environ if environ is None else environ
-    if path is None and environ.get("SANDBOXD_CONFIG"):
-        path = Path(environ["SANDBOXD_CONFIG"])
-    if path is None and SYSTEM_CONFIG.is_file():
-        path = SYSTEM_CONFIG
+    path = config_file(path, environ)
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxd import __version__
-from sandboxd.config import Config, load_config
+from sandboxd.config import RUNNER_IMAGE, Config, load_config
 from sandboxd.errors import ConfigError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sandboxd",
         description="Run AI agents' tools in warm, hardened Node.js sandboxes.",
     )
-    parser.add_argument("--version", action="version", version=f"sandboxd {__version__}")
+    parser.add_argument("--version", action="version", version=f"sandboxd {__version__} (runner image {RUNNER_IMAGE})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parent = common_parent()
     for module in (serve_cmds, client_cmds, tools_cmds, dev_cmds):

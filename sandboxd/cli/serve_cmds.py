@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
-from sandboxd.config import Config, ConfigError, check_unsandboxed, load_config, unsafe_settings
+from sandboxd.config import Config, ConfigError, check_unsandboxed, config_file, env_keys, load_config, unsafe_settings
 from sandboxd.logging import configure_logging, get_logger, set_log_budget
 
 
@@ -40,6 +40,18 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
+def log_configuration(args: argparse.Namespace, config: Config) -> None:
+    """Where the configuration came from, and the settings an operator asks about first: what
+    sandboxes may reach (the egress policy and its allow list) and how they are networked."""
+    path = config_file(args.config)
+    flags = sorted(f"--{key.replace('_', '-')}" for key, value in config_overrides(args).items() if value is not None)
+    get_logger("sandboxd.serve").info(
+        "configuration", file=str(path) if path is not None else None,
+        environment=env_keys(), flags=flags,
+        data_path=str(config.data_path), egress_policy=config.egress.policy, egress_allow=list(config.egress.allow),
+        egress_ports=list(config.egress.ports), sandbox_network=config.sandbox.network)
+
+
 def run_serve(args: argparse.Namespace, config: Config) -> int:
     from sandboxd.server.server import serve
     from sandboxd.service.systemd import listen_socket
@@ -48,6 +60,7 @@ def run_serve(args: argparse.Namespace, config: Config) -> int:
     loop_factory = event_loop_factory(config.event_loop)
     configure_logging(config.log_level, config.log_format)
     set_log_budget(config.log_rate, config.log_burst)
+    log_configuration(args, config)
     accepted = [name for name, _ in unsafe_settings(config) if name in config.allow_unsafe]
     if accepted:  # said at every start, so nobody forgets the sandbox is weakened
         get_logger("sandboxd.serve").warning("UNSAFE_SETTINGS", accepted=accepted,

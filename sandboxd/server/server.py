@@ -136,7 +136,7 @@ class Server:
             log.warning("socket_mismatch", listening=address, configured=str(cfg.socket),
                         hint="set `socket` to the ListenStream= path of sandboxd.socket")
         log.info("listening", socket=address, activated=listen_socket is not None, backend=self.backend.name,
-                 data_path=str(cfg.data_path), version=__version__, peer_check=self.peer_policy.restricted,
+                 data_path=str(cfg.data_path), version=__version__, image=cfg.sandbox.image, peer_check=self.peer_policy.restricted,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
         if self.backend.name == "process":
             log.warning("UNSANDBOXED", backend="process",

@@ -93,6 +93,24 @@ def test_hello_round_trip_and_warm_pool(daemon: Daemon) -> None:
         assert pool["totals"]["busy"] == 0 and pool["counters"]["started"] == 2
 
 
+def test_the_start_up_log_names_the_config_file_the_egress_policy_and_the_one_version(make_daemon: Any) -> None:
+    """Issue 29: the start-up log never said which file was loaded or what sandboxes may reach;
+    `listening` names the daemon's version and the image it runs, which are one version."""
+    from sandboxd import __version__
+    from sandboxd.config import RUNNER_IMAGE
+
+    daemon = make_daemon("egress:\n  policy: allow-list\n  allow: ['searxng.internal:8080']\n",
+                         env={"SANDBOXD_POOL_MIN_IDLE": "0"})
+    [configuration] = daemon.events("configuration")
+    assert configuration["file"] == str(daemon.config_path)
+    assert configuration["environment"] == ["SANDBOXD_POOL_MIN_IDLE"]  # names only, never values
+    assert configuration["flags"] == ["--data-path", "--seed-tools", "--socket"]
+    assert (configuration["egress_policy"], configuration["egress_allow"]) == ("allow-list", ["searxng.internal:8080"])
+    assert configuration["sandbox_network"] == "none" and configuration["data_path"] == str(daemon.data)
+    listening = daemon.events("listening")[-1]
+    assert (listening["version"], listening["image"]) == (__version__, RUNNER_IMAGE) == (__version__, f"sandboxd/node:{__version__}")
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_either_event_loop_serves_calls_progress_and_cancels(make_daemon: Any, loop: str) -> None:
     """event_loop: uvloop is the default (auto); asyncio stays a working choice, not a dead branch."""

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sandboxd import __version__
 from sandboxd.client import Client
 from tests.as_user import PING, exchange_as
 from tests.e2e.conftest import REPO, Daemon
@@ -85,7 +86,7 @@ def test_metrics_status_and_call_log_after_real_calls(make_daemon: Any) -> None:
     assert values[("sandboxd_sandbox_starts_total", ())] >= 2  # the first, and the crashed one's replacement
     assert values[("sandboxd_orphans_reaped_total", ())] == 0
     assert values[("sandboxd_sandboxes", (("state", "busy"),))] == 0
-    assert values[("sandboxd_build_info", (("backend", "docker"), ("version", "0.1.0")))] == 1
+    assert values[("sandboxd_build_info", (("backend", "docker"), ("version", __version__)))] == 1
     assert values[("process_open_fds", ())] > 0
 
     readable = sandboxd_cli(daemon, "status")

@@ -77,6 +77,20 @@ def test_default_image_matches_the_image_version() -> None:
     assert RUNNER_IMAGE == f"sandboxd/node:{version}"
 
 
+def test_one_version_for_the_daemon_and_its_image(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: `sandboxd --version` said 0.1.0 while the image was 0.4.0."""
+    from sandboxd import __version__
+    from sandboxd.cli.main import main
+
+    version = (REPO / "images" / "node" / "VERSION").read_text().strip()
+    assert __version__ == version
+    assert 'version = {attr = "sandboxd.__version__"}' in (REPO / "pyproject.toml").read_text()
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"sandboxd {version} (runner image sandboxd/node:{version})\n"
+
+
 def test_a_remote_engine_works_over_attach(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("sandbox:\n  docker_host: tcp://10.0.0.5:2376\n  transport: attach\n")

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sandboxd import __version__
 from sandboxd.config import load_config
 from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging
@@ -104,7 +105,7 @@ def test_calls_sandboxes_and_orphans_are_counted(tmp_path: Path) -> None:
         assert values[("sandboxd_sandboxes", (("state", "idle"),))] == 1
         assert values[("sandboxd_sandboxes", (("state", "busy"),))] == 0
         assert values[("sandboxd_calls_in_flight", ())] == 0
-        assert values[("sandboxd_build_info", (("backend", "fake"), ("version", "0.1.0")))] == 1
+        assert values[("sandboxd_build_info", (("backend", "fake"), ("version", __version__)))] == 1
         assert server.status()["pool"]["counters"]["killed"] == 1
 
     run_server(tmp_path, test, orphans=2, pool={"min_idle": 1, "max_per_user": 1})
