@@ -15,26 +15,30 @@ help:
 	@echo "make shim-deps  the shim's esbuild, for \`sandboxd run --backend process\` without Docker"
 	@echo "make install (as root) install the daemon as a systemd service; see docs/install.md"
 
+# Quiet when nothing changed: each step says what it does only when it does it.
 $(BIN)/sandboxd: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "setup: installing sandboxd and its dependencies into $(VENV) (pyproject.toml is newer)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install -q --upgrade pip
+	@# PYTHONWARNINGS: setuptools' banner about editable installs, printed at every install, is not ours to act on.
+	@PYTHONWARNINGS=ignore $(BIN)/pip install -q -e '.[test]'
 	@touch $@
 
 setup: $(BIN)/sandboxd
 
 docker:
-	bash scripts/ensure-docker.sh
+	@bash scripts/ensure-docker.sh
 
+# build.sh says what it builds, and nothing when the image is up to date; its last stdout line is the tag.
 image: docker
-	bash images/node/build.sh
+	@bash images/node/build.sh >/dev/null
 
 # The daemon with the checkout's defaults, as every other command in the checkout has them: data in
 # $(LOCAL)/data, seed/tools. SOCKET=PATH picks the socket (then `export SANDBOXD_SOCKET=PATH` in the
 # shell that calls it); by default it is the service's /run/sandboxd/sandboxd.sock as root.
 SOCKET ?=
 serve: setup image
-	$(BIN)/sandboxd serve$(if $(SOCKET), --socket $(SOCKET))
+	@$(BIN)/sandboxd serve$(if $(SOCKET), --socket $(SOCKET))
 
 test: setup image clients
 	node --test images/node/shim/test/*.test.js
@@ -50,14 +54,17 @@ test-shim:
 # clients/: @sandboxd/client, then @sandboxd/pi (which links it). npm ci runs again only when a lock file changes.
 CLIENT_DIRS := clients/typescript clients/pi
 clients/%/node_modules/.package-lock.json: clients/%/package-lock.json clients/%/package.json
-	cd clients/$* && npm ci --no-audit --no-fund --loglevel=error
+	@echo "clients: npm ci in clients/$* (its lock file changed; clients/pi fetches pi's SDK, about 20 s the first time)"
+	@cd clients/$* && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 clients/typescript/dist/index.js: clients/typescript/node_modules/.package-lock.json clients/typescript/tsconfig.json $(wildcard clients/typescript/src/*.ts)
-	cd clients/typescript && npm run --silent build
+	@echo "clients: building @sandboxd/client (tsc) into clients/typescript/dist"
+	@cd clients/typescript && npm run --silent build
 
 clients/pi/dist/index.js: clients/pi/node_modules/.package-lock.json clients/pi/tsconfig.json $(wildcard clients/pi/src/*.ts) clients/typescript/dist/index.js
-	cd clients/pi && npm run --silent build
+	@echo "clients: building @sandboxd/pi (tsc) into clients/pi/dist"
+	@cd clients/pi && npm run --silent build
 
 clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js)
 

@@ -7,7 +7,9 @@
 #      label org.sandboxd.base;
 #   2. the shim's node_modules: `npm ci` from the committed lock file, skipped when
 #      the lock file has not changed since the last install;
-#   3. docker build (layer cache: fast when nothing changed).
+#   3. docker build, only when the image's inputs changed since TAG was built (their hash is
+#      the label org.sandboxd.inputs): nothing is printed when nothing changed, and docker's
+#      own log is shown only when the build fails.
 # Prints the image tag on the last line of stdout.
 set -euo pipefail
 
@@ -33,8 +35,8 @@ else
   BASE=$(bash "$HERE/build-base.sh" --print-tag)  # its tag names its package list
   why="registry-free, debootstrap; no $OFFICIAL_BASE locally (docker pull it to build FROM it)"
 fi
-log "base image $BASE ($why)"
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  log "building the base image $BASE ($why)"
   case "$BASE" in
     sandboxd/node-base:*) bash "$HERE/build-base.sh" --tag "$BASE" >/dev/null ;;
     *) die "base image $BASE is not present locally and no registry is reachable here; build it or unset SANDBOXD_BASE_IMAGE" ;;
@@ -54,14 +56,38 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! esbuild_ok; then
   echo "$want" > "$stamp"
 fi
 
-# 3. the image. Without the buildx plugin the CLI needs the legacy builder.
+# 3. the image, unless TAG was built from these very inputs: what the Dockerfile copies, the
+# base image's id and the dependencies' lock (node_modules follows from it).
+inputs=$( {
+  echo "base $BASE $(docker image inspect -f '{{.Id}}' "$BASE" 2>/dev/null)"
+  echo "dependencies $want"
+  (cd "$HERE" && find Dockerfile .dockerignore VERSION shim/src -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
+} | sha256sum | cut -c1-16)
+built=$(docker image inspect -f '{{ index .Config.Labels "org.sandboxd.inputs" }}' "$TAG" 2>/dev/null || true)
+if [ "$built" = "$inputs" ]; then
+  echo "$TAG"
+  exit 0
+fi
+log "base image $BASE ($why)"
+if [ -n "$built" ]; then
+  log "docker build $TAG: its inputs changed (the Dockerfile, the shim, its dependencies or the base)"
+else
+  log "docker build $TAG"
+fi
+# Without the buildx plugin the CLI needs the legacy builder. Its step log (and the
+# builder's banners) go to a file, shown when the build fails.
 if ! docker buildx version >/dev/null 2>&1; then export DOCKER_BUILDKIT=0; fi
-log "docker build $TAG (base $BASE)"
-docker build \
+build_log=$(mktemp "${TMPDIR:-/tmp}/sandboxd-image-build.XXXXXX")
+if ! docker build \
   --build-arg "BASE=$BASE" \
   --build-arg "VERSION=$VERSION" \
   --label "org.sandboxd.base=$BASE" \
-  -t "$TAG" "$HERE" >&2
+  --label "org.sandboxd.inputs=$inputs" \
+  -t "$TAG" "$HERE" >"$build_log" 2>&1; then
+  tail -n 60 "$build_log" >&2
+  die "docker build $TAG failed (the whole log: $build_log)"
+fi
+rm -f "$build_log"
 
 size=$(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')
 log "built $TAG ($size) in $(( $(date +%s) - start ))s"

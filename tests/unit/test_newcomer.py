@@ -107,6 +107,82 @@ def test_build_honours_sandboxd_base_image_over_the_official_one(tmp_path: Path)
     assert "(SANDBOXD_BASE_IMAGE)" in proc.stderr
 
 
+# -- a second `make image` (and so `make serve`) prints nothing when nothing changed ---------------
+
+# An engine whose images remember their labels: `docker build` records the inputs label it was
+# given (and prints the legacy builder's banner and steps, as the real one does), `image inspect`
+# answers with it; every base image "exists", with an id made of its name.
+LABEL_ENGINE = r"""
+echo "docker $*" >> "$CALLS"
+case "$1 $2" in
+  "buildx version") exit 1 ;;
+  "image inspect")
+    case "$*" in
+      *org.sandboxd.inputs*) [ -f "$LABELS" ] && cat "$LABELS" && exit 0; exit 1 ;;
+      *{{.Id}}*) eval "echo sha256:\${$#}" ;;
+      *{{.Size}}*) echo 100000000 ;;
+    esac
+    exit 0 ;;
+esac
+if [ "$1" = build ]; then
+  echo "DEPRECATED: The legacy builder is deprecated and will be removed in a future release."
+  echo "Step 1/16 : ARG BASE=node:20-bookworm-slim"
+  [ -n "${FAIL_BUILD:-}" ] && { echo "Step 2/16 : RUN false"; echo "The command returned a non-zero code: 1"; exit 1; }
+  for arg in "$@"; do case "$arg" in org.sandboxd.inputs=*) echo "${arg#org.sandboxd.inputs=}" > "$LABELS" ;; esac; done
+fi
+exit 0
+"""
+
+
+def build_image(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        stub(bin_dir, "docker", LABEL_ENGINE)
+    environ = {k: v for k, v in os.environ.items() if k != "SANDBOXD_BASE_IMAGE"}
+    environ.update({"PATH": f"{bin_dir}:{environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+                    "LABELS": str(tmp_path / "labels"), "SANDBOXD_BASE_IMAGE": "example/node:20", **env})
+    return subprocess.run(["/bin/bash", str(REPO / "images" / "node" / "build.sh")], env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_second_image_build_with_nothing_changed_prints_nothing(tmp_path: Path) -> None:
+    first = build_image(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "docker build sandboxd/node:" in first.stderr and "build: built sandboxd/node:" in first.stderr
+    assert "Step 1/16" not in first.stderr + first.stdout and "DEPRECATED" not in first.stderr + first.stdout
+    second = build_image(tmp_path)
+    assert (second.returncode, second.stderr, second.stdout) == (0, "", first.stdout.splitlines()[-1] + "\n")
+    builds = [line for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("docker build ")]
+    assert len(builds) == 1, builds
+    # Another base is another input: built again, and said why.
+    third = build_image(tmp_path, SANDBOXD_BASE_IMAGE="example/node:21")
+    assert third.returncode == 0 and "its inputs changed" in third.stderr, third.stderr
+
+
+def test_a_failing_image_build_shows_the_builders_log(tmp_path: Path) -> None:
+    failed = build_image(tmp_path, FAIL_BUILD="1")
+    assert failed.returncode == 1
+    assert "Step 2/16 : RUN false" in failed.stderr and "The command returned a non-zero code: 1" in failed.stderr
+    assert "build: error: docker build sandboxd/node:" in failed.stderr and "failed (the whole log: " in failed.stderr
+
+
+def test_a_second_make_image_prints_nothing(tmp_path: Path) -> None:
+    """What `make serve` runs before the daemon, twice: the second time, not a line (issue 29)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir, "docker", LABEL_ENGINE)
+    stub(bin_dir, "apt-get", f'echo "apt-get $*" >> {tmp_path / "apt-calls"}')  # debootstrap, if missing
+    environ = {k: v for k, v in os.environ.items() if k not in ("SANDBOXD_BASE_IMAGE", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    environ.update({"PATH": f"{bin_dir}:{environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+                    "LABELS": str(tmp_path / "labels"), "SANDBOXD_BASE_IMAGE": "example/node:20"})
+    runs = [subprocess.run(["make", "image"], cwd=REPO, env=environ, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs
+    assert "build: built sandboxd/node:" in runs[0].stderr, runs[0]
+    assert (runs[1].stdout, runs[1].stderr) == ("", ""), runs[1]
+
+
 # -- who owns a container: the data path, whatever the socket ------------------------------------
 
 
