@@ -137,7 +137,9 @@ def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: A
         found = ok(call(client, "email_db", {"action": "search", "text": "lunch"}))
         assert "messages (2 matches)" in found and "Invoice" not in found
         # LIKE's wildcards in the text are literal: "100%" matches one message, "%" alone too.
-        assert "messages (1 matches)" in ok(call(client, "email_db", {"action": "search", "text": "100%"}))
+        one = ok(call(client, "email_db", {"action": "search", "text": "100%"}))
+        assert "messages (1 match):" in one, one
+        assert ok(call(client, "email_db", {"action": "query", "sql": "SELECT 1 AS one"})).startswith("1 result:\n")
         out = ok(call(client, "email_db", {"action": "query", "sql": "SELECT * FROM messages",
                                            "output_path": "/officer/user/mail.json"}))
         assert "3 items saved to /officer/user/mail.json" in out
@@ -152,12 +154,17 @@ def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: A
                     "DROP TABLE labels",
                     "CREATE TABLE planted (x)",
                     "PRAGMA user_version = 7"]:
-            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error", "readonly")
-        # A second statement (to switch query_only off first, say) is never run.
-        refused(call(client, "email_db", {"action": "query", "sql": "PRAGMA query_only = 0; DELETE FROM messages"}),
-                "one statement")
-        refused(call(client, "email_db", {"action": "query", "sql": "SELEKT 1"}), "SQL error", "syntax error")
+            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error", "readonly",
+                    "only SELECT statements")
+        # A second statement (to switch query_only off first, say) is never run. Each error's hint
+        # fits it, and none is doubled ("at a time.. Only").
+        two = call(client, "email_db", {"action": "query", "sql": "PRAGMA query_only = 0; DELETE FROM messages"})
+        refused(two, "one statement at a time. Send one statement per call.")
+        syntax = call(client, "email_db", {"action": "query", "sql": "SELEKT 1"})
+        refused(syntax, "SQL error", "syntax error", "See action=schema")
         refused(call(client, "email_db", {"action": "query", "sql": "SELECT * FROM nope"}), "no such table: nope")
+        for answer in (two, syntax):
+            assert ".." not in text(answer) and "Only one read-only statement" not in text(answer), text(answer)
         refused(call(client, "email_db", {"action": "query"}), "sql is required")
         refused(call(client, "email_db", {"action": "stats", "output_path": "/tmp/out.json"}),
                 "output_path must be inside /officer/user")
@@ -210,7 +217,7 @@ def test_ffmpeg_renders_and_ocr_reads_it_back(make_daemon: Any) -> None:
                 "ffmpeg exited with status", "No such file or directory")
         refused(call(client, "ocr", {"image_path": "letter.pdf", "page": 2}), "page 2 is out of range", "1 page")
         refused(call(client, "ocr", {"image_path": "sign.png", "lang": "xyz"}), "language xyz is not installed", "eng")
-        refused(call(client, "ocr", {"image_path": "render.log"}), "Tesseract could not read")
+        refused(call(client, "ocr", {"image_path": "render.log"}), "render.log is not an image (it is text)")
 
 
 def test_convert_audio_to_mp3_converts_a_wav_and_refuses_what_is_not_audio(make_daemon: Any) -> None:
@@ -233,6 +240,20 @@ def test_convert_audio_to_mp3_converts_a_wav_and_refuses_what_is_not_audio(make_
         assert mp3.read_bytes()[:3] == b"ID3" or mp3.read_bytes()[0] == 0xFF
         assert progress[0].startswith("Converting memo.wav (3.0 s) to MP3 at 64k"), progress
         assert any(p.startswith("Converting: ") and p.endswith("%") for p in progress), progress
+
+        assert "Bitrate: 64 kb/s" in done.splitlines(), done
+
+        # At 22050 Hz MP3 carries at most 160 kb/s: the default 192k comes out as 160, and says so.
+        write_wav(home / "voice" / "low.wav", seconds=1.0, rate=22050)
+        low = ok(call(client, "convert_audio_to_mp3", {"input_path": "voice/low.wav"}))
+        assert "Bitrate: 160 kb/s (192k was asked, the most MP3 allows at 22050 Hz)" in low.splitlines(), low
+        # Not audio, for the OCR tool: said as such, not Tesseract's echo of the bytes.
+        refused(call(client, "ocr", {"image_path": "voice/low.wav"}), "is not an image (it is a WAV audio file)")
+
+        # ffmpeg's progress counts to the output's length (-t), and ends at 100%.
+        progress.clear()
+        ok(call(client, "ffmpeg", {"args": json.dumps(["-i", "voice/memo.wav", "-t", "1.5", "voice/cut.wav"])}, progress))
+        assert progress and progress[-1].startswith("ffmpeg: 1.5 s processed (100%)"), progress
 
         refused(call(client, "convert_audio_to_mp3", {"input_path": "notes.wav"}),
                 "is not an audio or video file ffmpeg can read")

@@ -40,19 +40,38 @@ function userPath(param: string, value: string, mustExist: boolean): string {
   return real;
 }
 
-// Duration of the first audio stream, or an error saying why the file is not audio.
-function probeAudio(path: string): number {
+type Audio = { duration: number; bitRate: number; sampleRate: number };
+
+// The first audio stream's duration (s), bit rate (bit/s) and sample rate (Hz), or an error
+// saying why the file is not audio.
+function probeAudio(path: string): Audio {
   let out: string;
   try {
     out = execFileSync('ffprobe', ['-v', 'error', '-select_streams', 'a:0', '-show_entries',
-      'stream=codec_name:format=duration', '-of', 'json', path], { encoding: 'utf-8', timeout: 60_000, stdio: ['ignore', 'pipe', 'pipe'] });
+      'stream=codec_name,bit_rate,sample_rate:format=duration,bit_rate', '-of', 'json', path],
+    { encoding: 'utf-8', timeout: 60_000, stdio: ['ignore', 'pipe', 'pipe'] });
   } catch (e) {
     const why = String((e as { stderr?: string }).stderr ?? (e as Error).message).trim().split('\n').pop();
     throw new Error(`${path} is not an audio or video file ffmpeg can read (${why}). Fix: give an audio file such as WAV, M4A, OGG, FLAC or MP3.`);
   }
   const info = JSON.parse(out);
   if (!info.streams?.length) throw new Error(`${path} has no audio stream. Fix: give an audio file, or a video with sound.`);
-  return Number(info.format?.duration);
+  const stream = info.streams[0];
+  return {
+    duration: Number(info.format?.duration),
+    bitRate: Number(stream.bit_rate ?? info.format?.bit_rate),
+    sampleRate: Number(stream.sample_rate),
+  };
+}
+
+// What the MP3 really is: LAME lowers a bit rate MP3 cannot carry at the input's sample
+// rate (at most 160k below 32 kHz, 64k below 16 kHz), so the asked one may not be it.
+function bitrateLine(asked: string, out: Audio): string {
+  if (!(out.bitRate > 0)) return `Bitrate: ${asked} (asked)`;
+  const kbps = Math.round(out.bitRate / 1000);
+  if (`${kbps}k` === asked) return `Bitrate: ${kbps} kb/s`;
+  const why = out.sampleRate > 0 && out.sampleRate < 32000 ? `, the most MP3 allows at ${out.sampleRate} Hz` : '';
+  return `Bitrate: ${kbps} kb/s (${asked} was asked${why})`;
 }
 
 export async function execute(
@@ -73,7 +92,7 @@ export async function execute(
     const wanted = params.output_path ?? join(dirname(input), basename(input, extname(input)) + '.mp3');
     const output = userPath('output_path', wanted, false);
     if (output === input) return err(`output_path is the input file itself (${input}). Fix: give another output_path.`);
-    const duration = probeAudio(input);
+    const { duration } = probeAudio(input);
 
     onUpdate?.({ content: [{ type: 'text', text: `Converting ${basename(input)} (${duration.toFixed(1)} s) to MP3 at ${bitrate}…` }] });
     const child = spawn('ffmpeg', ['-hide_banner', '-nostdin', '-y', '-progress', 'pipe:3', '-stats_period', '1',
@@ -105,8 +124,8 @@ export async function execute(
       return err(`ffmpeg could not convert ${input} (exit ${code}):\n${tail}`);
     }
     const size = statSync(output).size;
-    const outDuration = probeAudio(output);
-    return ok(`Converted to ${output}\nDuration: ${outDuration.toFixed(2)} s\nSize: ${size} bytes (${(size / 1024 / 1024).toFixed(2)} MiB)\nBitrate: ${bitrate}`);
+    const converted = probeAudio(output);
+    return ok(`Converted to ${output}\nDuration: ${converted.duration.toFixed(2)} s\nSize: ${size} bytes (${(size / 1024 / 1024).toFixed(2)} MiB)\n${bitrateLine(bitrate, converted)}`);
   } catch (e) {
     return err(e instanceof Error ? e.message : String(e));
   }

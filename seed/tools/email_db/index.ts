@@ -40,6 +40,17 @@ function userPath(param: string, value: string, mustExist: boolean): string {
   return real;
 }
 
+function count(n: number, one: string, many = `${one}s`): string {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+// What to do about an SQL error, by what SQLite said: most are about the SQL itself.
+function sqlHint(message: string): string {
+  if (/readonly|read-only/i.test(message)) return 'The email database is read-only: only SELECT statements (and read-only PRAGMAs) run.';
+  if (/one statement at a time/i.test(message)) return 'Send one statement per call.';
+  return 'See action=schema for the tables and columns.';
+}
+
 function table(columns: string[], rows: Record<string, unknown>[]): string {
   return rows.map((r, i) => `${i + 1}. ` + columns.map((c) => `${c}: ${r[c] ?? ''}`).join(' | ')).join('\n');
 }
@@ -67,30 +78,30 @@ export async function execute(_toolCallId: string, params: Params): Promise<Tool
     if (run.status !== 0) return err(`The database helper failed (exit ${run.status}): ${run.stderr.trim().slice(-2000)}`);
     const res = JSON.parse(run.stdout);
     if (res.error === 'open') return err(`Cannot open the email database at ${db}: ${res.message}. It may be damaged or not an SQLite file.`);
-    if (res.error === 'sql') return err(`SQL error: ${res.message}. Only one read-only statement per call is allowed; see action=schema for tables and columns.`);
+    if (res.error === 'sql') return err(`SQL error: ${String(res.message).replace(/\.+$/, '')}. ${sqlHint(res.message)}`);
     if (res.error) return err(`Unknown action "${params.action}". Use one of: stats, schema, query, search.`);
 
     if (out) {
       writeFileSync(out, JSON.stringify(res, null, 2));
       const n = res.rows?.length ?? res.tables?.length ?? res.objects?.length
         ?? res.results?.reduce((a: number, r: { rows: unknown[] }) => a + r.rows.length, 0);
-      return ok(`${params.action}: ${n} items saved to ${out}`);
+      return ok(`${params.action}: ${count(n, 'item')} saved to ${out}`);
     }
     switch (params.action) {
       case 'stats':
-        return ok(`Tables:\n${res.tables.map((t: { table: string; rows: number }) => `${t.table}: ${t.rows} rows`).join('\n') || '(none)'}`);
+        return ok(`Tables:\n${res.tables.map((t: { table: string; rows: number }) => `${t.table}: ${count(t.rows, 'row')}`).join('\n') || '(none)'}`);
       case 'schema':
         return ok(res.objects.map((o: { sql: string }) => `${o.sql};`).join('\n\n') || '(empty database)');
       case 'query': {
         if (res.rows.length === 0) return ok('No results.');
         const more = res.truncated ? `\n\n(more rows exist: raise limit, add LIMIT/OFFSET, or use output_path)` : '';
-        return ok(`${res.rows.length} results:\n\n${table(res.columns, res.rows)}${more}`);
+        return ok(`${count(res.rows.length, 'result')}:\n\n${table(res.columns, res.rows)}${more}`);
       }
       default: {
         if (res.searched.length === 0) return err('No table has a subject, sender, from or body column to search; use action=schema and action=query instead.');
         const parts = res.results.filter((r: { rows: unknown[] }) => r.rows.length > 0).map(
           (r: { table: string; columns: string[]; rows: Record<string, unknown>[]; truncated: boolean }) =>
-            `${r.table} (${r.rows.length}${r.truncated ? '+' : ''} matches):\n${table(r.columns, r.rows)}`);
+            `${r.table} (${r.truncated ? `${r.rows.length}+ matches` : count(r.rows.length, 'match', 'matches')}):\n${table(r.columns, r.rows)}`);
         return ok(parts.length ? parts.join('\n\n') : `No messages contain "${params.text}".`);
       }
     }

@@ -87,6 +87,30 @@ function seconds(value: string): number {
   return m ? Number(m[1]) * 3600 + Number(m[2]) * 60 + Number(m[3]) : NaN;
 }
 
+// An ffmpeg duration option's value in seconds: 1.5, 90, 01:30, 00:01:30.5, 1500ms, 250000us.
+function durationArg(value: string): number {
+  const v = value.trim();
+  const unit = /^(\d+(?:\.\d+)?)(s|ms|us)$/.exec(v);
+  if (unit) return Number(unit[1]) / (unit[2] === 's' ? 1 : unit[2] === 'ms' ? 1e3 : 1e6);
+  if (/^\d+(?:\.\d+)?$/.test(v)) return Number(v);
+  const parts = v.split(':');
+  if (parts.length === 2) return seconds(`0:${v}`);
+  return parts.length === 3 ? seconds(v) : NaN;
+}
+
+// How long the output will be, for the progress percentage: the input's duration, cut by -t
+// (or by -to, from -ss). The last -t/-to/-ss given wins, as ffmpeg's own parsing does per file.
+function expectedSeconds(inputSeconds: number, args: string[]): number {
+  const last = (name: string) => {
+    const i = args.lastIndexOf(name);
+    return i >= 0 && i + 1 < args.length ? durationArg(args[i + 1]) : NaN;
+  };
+  const [t, to, ss] = [last('-t'), last('-to'), last('-ss')];
+  const left = inputSeconds > 0 && ss > 0 ? Math.max(0, inputSeconds - ss) : inputSeconds;
+  const cut = t >= 0 ? t : to >= 0 ? to - (ss > 0 ? ss : 0) : NaN;
+  return cut >= 0 && !(left < cut) ? cut : left;
+}
+
 export async function execute(
   _toolCallId: string,
   params: Params,
@@ -132,7 +156,9 @@ export async function execute(
         }));
         progress = progress.slice(stop);
         const done = seconds(block.out_time ?? '');
-        const pct = durationS > 0 && done >= 0 ? ` (${Math.min(100, (100 * done) / durationS).toFixed(0)}%)` : '';
+        const total = expectedSeconds(durationS, userArgs);
+        const share = block.progress === 'end' ? 100 : Math.min(100, (100 * done) / total);
+        const pct = total > 0 && done >= 0 ? ` (${share.toFixed(0)}%)` : '';
         const time = done >= 0 ? `${done.toFixed(1)} s processed` : 'starting';
         onUpdate?.({ content: [{ type: 'text', text: `ffmpeg: ${time}${pct}, speed ${block.speed ?? '?'}` }] });
       }

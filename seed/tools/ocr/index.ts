@@ -49,15 +49,37 @@ function run(cmd: string, args: string[], what: string): string {
   }
 }
 
-function isPdf(path: string): boolean {
-  const head = Buffer.alloc(5);
+function head(path: string, bytes = 16): Buffer {
+  const buffer = Buffer.alloc(bytes);
   const fd = openSync(path, 'r');
   try {
-    readSync(fd, head, 0, 5, 0);
+    return buffer.subarray(0, readSync(fd, buffer, 0, bytes, 0));
   } finally {
     closeSync(fd);
   }
-  return head.toString('latin1') === '%PDF-';
+}
+
+// What the file's first bytes say it is: 'pdf', 'image' (a format Tesseract's Leptonica reads),
+// or a description of what it is instead. Tesseract takes any other file for a list of image
+// names and answers with its bytes quoted back, so the check comes first.
+function kindOf(start: Buffer): 'pdf' | 'image' | string {
+  const text = start.toString('latin1');
+  if (text.startsWith('%PDF-')) return 'pdf';
+  const images = [
+    [0x89, 0x50, 0x4e, 0x47], [0xff, 0xd8, 0xff], [0x49, 0x49, 0x2a, 0x00], [0x4d, 0x4d, 0x00, 0x2a],
+    [0x47, 0x49, 0x46, 0x38], [0x42, 0x4d], [0x00, 0x00, 0x00, 0x0c, 0x6a, 0x50],
+  ];
+  if (images.some((magic) => magic.every((byte, i) => start[i] === byte))) return 'image';
+  if (text.startsWith('RIFF') && text.slice(8, 12) === 'WEBP') return 'image';
+  if (/^P[1-7]\s/.test(text)) return 'image'; // PNM
+  if (text.startsWith('RIFF') && text.slice(8, 12) === 'WAVE') return 'a WAV audio file';
+  if (text.startsWith('ID3') || (start[0] === 0xff && (start[1] & 0xe0) === 0xe0)) return 'an MP3 audio file';
+  if (text.slice(4, 8) === 'ftyp') return 'an MP4/M4A audio or video file';
+  if (text.startsWith('OggS') || text.startsWith('fLaC')) return 'an audio file';
+  if (text.startsWith('PK')) return 'a ZIP archive (an Office document?)';
+  if (start.length === 0) return 'empty';
+  if (/^[\x09\x0a\x0d\x20-\x7e]*$/.test(text)) return 'text';
+  return 'not in an image format Tesseract reads';
 }
 
 export async function execute(
@@ -78,9 +100,13 @@ export async function execute(
     const missing = lang.split('+').filter((l) => !installed.includes(l));
     if (missing.length) return err(`language ${missing.join(', ')} is not installed for tesseract. Installed: ${installed.join(', ')}.`);
 
+    const kind = kindOf(head(input));
+    if (kind !== 'pdf' && kind !== 'image') {
+      return err(`${input} is not an image (it is ${kind}): give a PNG, JPEG, TIFF, GIF, BMP, WebP or PNM image, or a PDF.`);
+    }
     let image = input;
     let text: string | undefined;
-    if (isPdf(input)) {
+    if (kind === 'pdf') {
       if (!hasCommand('pdftoppm')) return err('pdftoppm (poppler-utils) is needed for PDFs but is not installed in the sandbox; tell the user.');
       const page = params.page ?? 1;
       const info = run('pdfinfo', [input], `${input} is not a PDF poppler can read`);
