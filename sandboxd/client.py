@@ -14,7 +14,7 @@ from sandboxd.lines import LineBuffer
 
 class RpcError(Exception):
     def __init__(self, code: int, message: str, data: Any = None) -> None:
-        super().__init__(f"{message} (code {code})")
+        super().__init__(message)  # what a person reads; the code is for programs (.code)
         self.code = code
         self.message = message
         self.data = data

@@ -115,6 +115,11 @@ def run_status(args: argparse.Namespace, config: Config) -> int:
     return EXIT_OK
 
 
+def count(n: int, noun: str, many: str | None = None) -> str:
+    """ "1 connection", "2 connections": a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """sandbox/status for a person: one line per topic, a line per user with sandboxes."""
     pool, limits = status["pool"], status.get("limits", {})
@@ -124,9 +129,10 @@ def format_status(status: dict[str, Any]) -> str:
         + (f" over {status['transport']}" if status.get("transport") else "")
         + (" (UNSANDBOXED)" if status.get("unsandboxed") else "")
         + (" — STOPPING" if status.get("stopping") else "")
-        + f", up {status['uptimeS']} s, {status['connections']} connections, {status['callsInFlight']} calls in flight",
+        + f", up {status['uptimeS']} s, {count(status['connections'], 'connection')}, "
+        f"{count(status['callsInFlight'], 'call')} in flight",
         f"sandboxes: {totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, "
-        f"{totals.get('stopping', 0)} stopping; {totals['waiting']} calls queued",
+        f"{totals.get('stopping', 0)} stopping; {count(totals['waiting'], 'call')} queued",
     ]
     for user, row in sorted(pool["users"].items()):
         lines.append(f"  {user}: {row['idle']} idle, {row['busy']} busy, {row['starting']} starting, "
@@ -144,7 +150,7 @@ def format_status(status: dict[str, Any]) -> str:
     calls = status.get("calls") or {}
     lines.append("calls: " + (", ".join(f"{k} {v}" for k, v in sorted(calls.items())) if calls else "none yet"))
     if limits:
-        lines.append(f"limits: {limits['maxPerUser']} sandboxes per user, {limits['maxTotal']} in all, "
+        lines.append(f"limits: {count(limits['maxPerUser'], 'sandbox', 'sandboxes')} per user, {limits['maxTotal']} in all, "
                      f"{limits['minIdle']} kept warm for {limits['idleTtlS']:g} s; "
                      f"call timeout {limits['defaultTimeoutMs']} ms (at most {limits['maxTimeoutMs']} ms)")
     return "\n".join(lines)

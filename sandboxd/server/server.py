@@ -276,7 +276,8 @@ class Server:
         """One line for systemd's STATUS= (shown by `systemctl status sandboxd`)."""
         totals = self.pool.status()["totals"]
         state = "stopping" if self.stopping else f"serving on {self.config.socket}"
-        return (f"{state}: {len(self.calls_in_flight)} calls in flight, {totals['waiting']} queued; sandboxes "
+        calls = len(self.calls_in_flight)
+        return (f"{state}: {calls} call{'s' * (calls != 1)} in flight, {totals['waiting']} queued; sandboxes "
                 f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, {totals['stopping']} stopping")
 
     # -- the edge: what a connection may use (connection.Edge) --------------------

@@ -515,3 +515,32 @@ def test_disk_flags_skip_the_daemon(data: Path, short_socket: Path, monkeypatch:
         daemon.close()
     assert code == 0 and [t["name"] for t in json.loads(out)["tools"]] == ["hello"]
     assert daemon.requests == [] and f"reading the tools from the disk in {data}" in err
+
+
+# --- what a person reads: no wire codes, counts in the right number (issue 29) -------------------
+
+
+def test_a_daemon_error_reads_as_its_message_without_the_wire_code(short_socket: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    message = 'invalid arguments for tool "hello": "name" is required (string: Who to greet.)'
+    daemon = FakeDaemon(short_socket, error=message)
+    try:
+        code, out, err = run(capsys, "call", "--user", USER, "hello", "--socket", str(short_socket))
+    finally:
+        daemon.close()
+    assert (code, out, err) == (2, "", f"sandboxd: {message}\n")
+
+
+def test_status_counts_agree_in_number() -> None:
+    from sandboxd.cli.client_cmds import format_status
+
+    def status(n: int) -> dict[str, Any]:
+        totals = {"idle": 0, "busy": n, "starting": 0, "stopping": 0, "waiting": n}
+        return {"version": "0.4.0", "backend": "docker", "transport": "socket", "uptimeS": 1.0, "connections": n,
+                "callsInFlight": n, "calls": {}, "pool": {"totals": totals, "users": {}, "counters": {}},
+                "limits": {"maxPerUser": n, "maxTotal": 32, "minIdle": 1, "idleTtlS": 300.0,
+                           "defaultTimeoutMs": 30000, "maxTimeoutMs": 600000}}
+
+    one, two = format_status(status(1)), format_status(status(2))
+    assert "1 connection, 1 call in flight" in one and "; 1 call queued" in one and "1 sandbox per user" in one, one
+    assert "2 connections, 2 calls in flight" in two and "; 2 calls queued" in two and "2 sandboxes per user" in two
