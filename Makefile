@@ -129,4 +129,5 @@ uninstall:
 	if [ "$$(readlink $(LINK_DIR)/sandboxd)" = "$(PREFIX)/bin/sandboxd" ]; then rm -f $(LINK_DIR)/sandboxd; fi
 	rm -rf $(PREFIX)
 	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
-	@echo "left in place: $(CONFIG_DIR), /var/lib/sandboxd (tools and user data) and the sandboxd user"
+	@echo "left in place: $(CONFIG_DIR), /var/lib/sandboxd (tools and user data), the runner images and the sandboxd user;"
+	@echo "to remove them too: docs/install.md, \"Uninstall and purge\""
