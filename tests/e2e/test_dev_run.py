@@ -239,5 +239,5 @@ def test_the_sandbox_and_validate_give_the_same_export_fix(tmp_path: Path, env: 
     ran = sandboxd("run", "classy", cwd=tmp_path, env=env)
     assert ran.returncode == 1 and "Class-based tools are not supported" in ran.stdout, (ran.stdout, ran.stderr)
     assert ran.stdout.rstrip("\n").endswith("; " + EXPORT_FIX)  # the shim's load-time error, from the image
-    [finding] = [line for line in ran.stderr.splitlines() if line.startswith("classy/index.ts:1: class-pattern:")]
+    [finding] = [line for line in ran.stderr.splitlines() if line.startswith("classy/index.ts:1: error: class-pattern:")]
     assert finding.endswith(EXECUTE_SIGNATURE)  # the linter's fix names the same signature
