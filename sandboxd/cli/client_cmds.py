@@ -150,7 +150,8 @@ def format_status(status: dict[str, Any]) -> str:
     calls = status.get("calls") or {}
     lines.append("calls: " + (", ".join(f"{k} {v}" for k, v in sorted(calls.items())) if calls else "none yet"))
     if limits:
-        lines.append(f"limits: {count(limits['maxPerUser'], 'sandbox', 'sandboxes')} per user, {limits['maxTotal']} in all, "
+        per_user = count(limits["maxPerUser"], "sandbox", "sandboxes")
+        lines.append(f"limits: {per_user} per user, {limits['maxTotal']} in all, "
                      f"{limits['minIdle']} kept warm for {limits['idleTtlS']:g} s; "
                      f"call timeout {limits['defaultTimeoutMs']} ms (at most {limits['maxTimeoutMs']} ms)")
     return "\n".join(lines)

@@ -71,8 +71,8 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
     validate = subparsers.add_parser(
         "validate", parents=[parent], help="check tools for problems",
         description="Check tool directories, TOOL.md files or directories of tools: the manifest, the entry "
-                    "file's code (the common mistakes of docs/tool-development.md) and, for tools that are synced, whether the copy in "
-                    "DATA_PATH/tools needs a version bump. Exit 1 on any error.")
+                    "file's code (the common mistakes of docs/tool-development.md) and, for tools that are "
+                    "synced, whether the copy in DATA_PATH/tools needs a version bump. Exit 1 on any error.")
     validate.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                           help="a tool directory, a TOOL.md, or a directory of tools")
     validate.add_argument("--json", action="store_true", help='print {"problems": [...], "errors": N, "warnings": N}')

@@ -136,8 +136,8 @@ class Server:
             log.warning("socket_mismatch", listening=address, configured=str(cfg.socket),
                         hint="set `socket` to the ListenStream= path of sandboxd.socket")
         log.info("listening", socket=address, activated=listen_socket is not None, backend=self.backend.name,
-                 data_path=str(cfg.data_path), version=__version__, image=cfg.sandbox.image, peer_check=self.peer_policy.restricted,
-                 event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+                 data_path=str(cfg.data_path), version=__version__, image=cfg.sandbox.image,
+                 peer_check=self.peer_policy.restricted, event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
         if self.backend.name == "process":
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "

@@ -108,7 +108,8 @@ def test_the_start_up_log_names_the_config_file_the_egress_policy_and_the_one_ve
     assert (configuration["egress_policy"], configuration["egress_allow"]) == ("allow-list", ["searxng.internal:8080"])
     assert configuration["sandbox_network"] == "none" and configuration["data_path"] == str(daemon.data)
     listening = daemon.events("listening")[-1]
-    assert (listening["version"], listening["image"]) == (__version__, RUNNER_IMAGE) == (__version__, f"sandboxd/node:{__version__}")
+    assert (listening["version"], listening["image"]) == (__version__, RUNNER_IMAGE)
+    assert RUNNER_IMAGE == f"sandboxd/node:{__version__}"
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
