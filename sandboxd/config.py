@@ -41,7 +41,10 @@ DEFAULT_ALLOWED_ENV = [
 AUTO_SANDBOX_ID = 2_000_000_000
 # Outside DATA_PATH/<user>/, which sandboxes can write: a sandbox could turn a database path
 # in there into a link to another user's file, and Docker follows links (sandbox/mounts.py).
+# Its folder is what a sandbox mounts (at /officer/data), so SQLite's -journal, -wal and -shm
+# are the host's own files: one folder per user, and the file named as tools expect it.
 DEFAULT_EMAIL_DB = "{data_path}/email/{user}/emails.db"
+EMAIL_DB_NAME = "emails.db"
 LEGACY_EMAIL_DB = "{data_path}/{user}/emails.db"
 
 
@@ -153,7 +156,7 @@ class SandboxConfig(_Section):
     cap_add: list[str] = Field(default_factory=list, description="Capabilities given back after dropping ALL.")
     no_new_privileges: bool = Field(True, description="Forbid gaining privileges through setuid binaries.")
     init: bool = Field(True, description="Run an init process as PID 1 that reaps zombies.")
-    email_db: str = Field(DEFAULT_EMAIL_DB, description="Host path of the user's email database; never inside a user's data folder.")
+    email_db: str = Field(DEFAULT_EMAIL_DB, description="Host path of the user's email database, named emails.db in a folder of that user's own; the folder is mounted at /officer/data. Never inside a user's data folder.")
     docker_host: str | None = Field(None, description="Docker engine URL; default DOCKER_HOST or the local socket.")
     transport: Literal["socket", "attach"] = Field(
         "socket",
@@ -359,19 +362,37 @@ def email_db_path(config: Config, user: str) -> Path:
     template = config.sandbox.email_db
     if "{user}" not in template:
         raise ValueError(f"sandbox.email_db {template!r} must contain {{user}}: each user has a database of their own")
-    try:
-        path = Path(os.path.normpath(template.format(data_path=config.data_path, user=user)))
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"sandbox.email_db {template!r} may use only {{data_path}} and {{user}} ({exc})") from None
+    path = _email_db_for(template, config.data_path, user)
     if not path.is_absolute():
         raise ValueError(f"sandbox.email_db {template!r} must be an absolute path (or start with {{data_path}})")
+    if path.name != EMAIL_DB_NAME:
+        raise ValueError(f"sandbox.email_db {template!r} must name a file {EMAIL_DB_NAME!r}: its folder is mounted at "
+                         f"/officer/data, where tools open /officer/data/{EMAIL_DB_NAME} (TOOLS.md); "
+                         f"e.g. {DEFAULT_EMAIL_DB!r}")
+    # Two users' folders must differ: a sandbox mounts the whole folder, read-write.
+    if _email_db_for(template, config.data_path, "other-" + user).parent == path.parent:
+        raise ValueError(f"sandbox.email_db {template!r} must put {{user}} in the folder's name, not only the file's: "
+                         f"each user's sandboxes mount the database's folder, so every user needs one of their own; "
+                         f"e.g. {DEFAULT_EMAIL_DB!r}")
     data_path = Path(os.path.normpath(config.data_path))
-    if path.is_relative_to(data_path) and path != data_path and "@" in path.relative_to(data_path).parts[0]:
-        raise ValueError(
-            f"sandbox.email_db {template!r} lies inside a user's data folder, which that user's sandboxes can write "
-            f"(and so turn into a link to another user's file); use the default {DEFAULT_EMAIL_DB!r}"
-        )
+    if path.is_relative_to(data_path) and path != data_path:
+        first = path.relative_to(data_path).parts[0]
+        if "@" in first:
+            raise ValueError(
+                f"sandbox.email_db {template!r} lies inside a user's data folder, which that user's sandboxes can "
+                f"write (and so turn into a link to another user's file); use the default {DEFAULT_EMAIL_DB!r}"
+            )
+        if first in ("tools", ".cache"):
+            raise ValueError(f"sandbox.email_db {template!r} lies inside DATA_PATH/{first}, which every user's "
+                             f"sandboxes mount; use the default {DEFAULT_EMAIL_DB!r}")
     return path
+
+
+def _email_db_for(template: str, data_path: Path, user: str) -> Path:
+    try:
+        return Path(os.path.normpath(template.format(data_path=data_path, user=user)))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"sandbox.email_db {template!r} may use only {{data_path}} and {{user}} ({exc})") from None
 
 
 def unsafe_settings(config: Config) -> list[tuple[str, str]]:

@@ -44,7 +44,8 @@ class Egress(Protocol):
 CONTAINER_TOOLS = "/officer/tools"
 CONTAINER_USER = "/officer/user"
 CONTAINER_USER_TOOLS = "/officer/user/tools"
-CONTAINER_EMAIL_DB = "/officer/data/emails.db"
+CONTAINER_EMAIL_DIR = "/officer/data"  # the host folder of the user's email database, read-write
+CONTAINER_EMAIL_DB = f"{CONTAINER_EMAIL_DIR}/emails.db"
 CONTAINER_CACHE = "/officer/cache"  # the transpile cache (tools/transpile_cache.py), read-only
 
 
@@ -83,7 +84,7 @@ class SandboxSpec:
     tools_dir: Path  # DATA_PATH/tools, read-only
     user_dir: Path  # DATA_PATH/<user>, read-write
     user_tools_dir: Path  # DATA_PATH/<user>/tools, read-only over user_dir
-    email_db: Path | None  # mounted read-write when it exists
+    email_db: Path | None  # its folder is mounted read-write (sandbox/mounts.py, email_dir)
     # (host path, sandbox path) pairs bound read-only on top; `sandboxd run` mounts the one tool
     # it runs this way. The daemon never sets it: clients must not choose host paths.
     read_only_mounts: tuple[tuple[Path, str], ...] = ()

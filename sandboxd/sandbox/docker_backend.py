@@ -585,7 +585,7 @@ class DockerBackend:
 
     def _create(self, spec: SandboxSpec, shim_dir: Path | None) -> str:
         cfg = self.config
-        uid, gid = self.user.split(":")
+        uid = self.user.split(":")[0]
         # Checked below the data path without following links; the sandbox uid gets access by ACL.
         try:
             binds, warnings = sandbox_binds(spec, int(uid))
@@ -595,9 +595,8 @@ class DockerBackend:
             log.warning("sandbox_mount_access", user=spec.user, problem=warning)
         mounts = [Mount(bind.target, bind.source, type="bind", read_only=bind.read_only) for bind in binds]
         mounts += [Mount(target, str(source), type="bind", read_only=True) for source, target in spec.read_only_mounts]
-        # SQLite writes its journal beside the database, so /officer/data is a small writable tmpfs.
-        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}",
-                 "/officer/data": f"rw,nosuid,nodev,uid={uid},gid={gid},size=16m"}
+        # /officer/data is the email database's host folder (in binds): SQLite's journal and WAL go there.
+        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}"}
         environment = sandbox_env(home=CONTAINER_USER, tools_dir=CONTAINER_TOOLS, user_tools_dir=CONTAINER_USER_TOOLS,
                                   email_db=CONTAINER_EMAIL_DB)
         if spec.transpile_cache is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from sandboxd.errors import BackendUnavailable, UnsafeMount
-from sandboxd.sandbox.backend import (CONTAINER_CACHE, CONTAINER_EMAIL_DB, CONTAINER_TOOLS, CONTAINER_USER,
+from sandboxd.sandbox.backend import (CONTAINER_CACHE, CONTAINER_EMAIL_DIR, CONTAINER_TOOLS, CONTAINER_USER,
                                       CONTAINER_USER_TOOLS, SandboxSpec)
 
 Kind = Literal["dir", "file"]
@@ -119,19 +119,24 @@ def _unsafe(path: Path, why: str) -> UnsafeMount:
 def grant_access(fd: int, uid: int, perms: int, *, inherit: bool) -> None:
     """Give ``uid`` ``perms`` on the open file ``fd`` through its ACL (and, with ``inherit``, on what is created in it).
 
-    The owner, group and other entries keep what the mode says, so nobody else gains
-    anything. Only the owner (or root) may set an ACL, which is why this runs on the
-    daemon's own folders. The default ACL also keeps the folder's owner able to manage
-    what the sandbox creates in it.
+    The entries already there stay (an operator's grant to the mail sync's user, say), and
+    the owner, group and other entries keep what they say, so nobody else gains anything
+    but what a wider mask lets named entries do. Only the owner (or root) may set an ACL,
+    which is why this runs on the daemon's own folders. The default ACL also keeps the
+    folder's owner able to manage what the sandbox creates in it.
     """
     info = os.fstat(fd)
     mode = info.st_mode
     owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
     if info.st_uid == uid and owner & perms == perms:
         return
-    wanted = [(ACCESS_ACL, _acl(owner, {uid: perms}, group, other))]
+    current = _get_acl(fd, ACCESS_ACL)
+    if current is not None:  # with an ACL, the mode's group bits are its mask: the group's own entry is inside
+        group = next((p for tag, p, _ in _entries(current) if tag == _GROUP_OBJ), group)
+    wanted = [(ACCESS_ACL, _acl_with(current, (owner, group, other), {uid: perms}))]
     if inherit:
-        wanted.append((DEFAULT_ACL, _acl(7, {uid: perms, info.st_uid: 7}, group, other)))
+        wanted.append((DEFAULT_ACL, _acl_with(_get_acl(fd, DEFAULT_ACL), (7, group, other),
+                                              {uid: perms, info.st_uid: 7})))
     for name, acl in wanted:
         if _get_acl(fd, name) == acl:
             continue
@@ -151,14 +156,34 @@ def _perm_text(perms: int) -> str:
     return "".join(flag if perms & bit else "-" for flag, bit in (("r", R), ("w", W), ("x", X)))
 
 
-def _acl(owner: int, users: dict[int, int], group: int, other: int) -> bytes:
-    mask = group
-    for perms in users.values():
-        mask |= perms
-    entries = [(_USER_OBJ, owner, _UNDEFINED_ID)]
-    entries += [(_USER, users[uid], uid) for uid in sorted(users)]
-    entries += [(_GROUP_OBJ, group, _UNDEFINED_ID), (_MASK, mask, _UNDEFINED_ID), (_OTHER, other, _UNDEFINED_ID)]
-    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+def _entries(data: bytes | None) -> list[tuple[int, int, int]]:
+    """(tag, perms, id) of an ACL xattr; empty for none."""
+    if not data or len(data) < 4 or struct.unpack_from("<I", data)[0] != _ACL_VERSION:
+        return []
+    return [struct.unpack_from("<HHI", data, offset) for offset in range(4, len(data) - 7, 8)]
+
+
+def _acl_with(current: bytes | None, base: tuple[int, int, int], users: dict[int, int]) -> bytes:
+    """``current`` (or, without one, owner/group/other = ``base``) with each of ``users`` given at least its perms,
+    and a mask that lets them have them."""
+    found = {(tag, ident): perms for tag, perms, ident in _entries(current)}
+    if found:
+        mask = found.pop((_MASK, _UNDEFINED_ID), None)
+    else:
+        owner, group, other = base
+        found = {(_USER_OBJ, _UNDEFINED_ID): owner, (_GROUP_OBJ, _UNDEFINED_ID): group,
+                 (_OTHER, _UNDEFINED_ID): other}
+        mask = None
+    for uid, perms in users.items():
+        found[(_USER, uid)] = found.get((_USER, uid), 0) | perms
+    if mask is None:  # a minimal ACL: the group class was the group's entry alone
+        mask = found[(_GROUP_OBJ, _UNDEFINED_ID)]
+    for uid in users:
+        mask |= found[(_USER, uid)]
+    found[(_MASK, _UNDEFINED_ID)] = mask
+    entries = sorted((tag, ident, perms) for (tag, ident), perms in found.items())
+    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", tag, perms, ident)
+                                                      for tag, ident, perms in entries)
 
 
 def _get_acl(fd: int, name: str) -> bytes | None:
@@ -193,9 +218,8 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
     """The checked bind mounts of one sandbox, with ``uid`` given access to each; and warnings.
 
     The folders are made when missing (the user's data folder 0700: only the daemon and,
-    through the ACL, the sandbox uid get in). The email database is mounted only when it
-    exists; one that the sandbox uid cannot be given access to is still mounted (the tool
-    then says so), with a warning.
+    through the ACL, the sandbox uid get in). The email database's folder is mounted
+    whole (email_dir); access it cannot be given is a warning, not a failed start.
     """
     root = spec.root
     binds = [
@@ -205,21 +229,69 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
     ]
     if spec.transpile_cache is not None:  # the daemon's own folder; read-only, or one sandbox could poison all
         binds.append(Bind(CONTAINER_CACHE, _dir(root, spec.transpile_cache, uid, R | X, 0o755), True))
-    warnings = []
+    warnings: list[str] = []
     if spec.email_db is not None:
-        try:
-            fd, checked = open_beneath(root or spec.email_db.parent, spec.email_db, "file", flags=os.O_RDONLY)
-        except FileNotFoundError:
-            pass  # no database (yet): nothing at /officer/data/emails.db
-        else:
-            try:
-                grant_access(fd, uid, R | W, inherit=False)
-            except BackendUnavailable as exc:
-                warnings.append(exc.message)
-            finally:
-                os.close(fd)
-            binds.append(Bind(CONTAINER_EMAIL_DB, checked, False))
+        email = email_dir(spec.email_db, root, uid, warnings)
+        if email is not None:
+            binds.append(Bind(CONTAINER_EMAIL_DIR, email, False))
     return binds, warnings
+
+
+def email_dir(db: Path, root: Path | None, uid: int, warnings: list[str]) -> str | None:
+    """The checked folder of the email database ``db``, for /officer/data; None when there is none.
+
+    Mounting the folder, not the file, makes the database's -journal, -wal and -shm the
+    host's own files: SQLite in the sandbox and the host's mail sync share one WAL index,
+    and a write killed half-way leaves its journal where the next opener rolls it back.
+    A database made while the sandbox runs is there at its next call. Below the data path
+    the folder is made when missing (0700); elsewhere it is the operator's to make.
+
+    The sandbox uid gets rwx on the folder, by default on what is made in it, and rw on the
+    database files already there. Those are opened below the checked folder without
+    following links: a tool can make files in the folder, links included, and the daemon
+    never follows one (nor may the mail sync, docs/install.md).
+    """
+    directory = db.parent
+    inside = root is not None and directory.is_relative_to(root)
+    try:
+        fd, checked = open_beneath(root if inside else directory.parent, directory, "dir",
+                                   flags=os.O_RDONLY | os.O_DIRECTORY, create_mode=0o700 if inside else None)
+    except FileNotFoundError:
+        return None  # no folder (yet): nothing at /officer/data
+    try:
+        try:
+            grant_access(fd, uid, R | W | X, inherit=True)
+        except BackendUnavailable as exc:
+            warnings.append(exc.message)
+        for suffix in _SQLITE_SIDECARS:
+            problem = _grant_file(fd, db.name + suffix, uid)
+            if problem is not None:
+                warnings.append(f"{checked}/{db.name}{suffix}: {problem}")
+    finally:
+        os.close(fd)
+    return checked
+
+
+def _grant_file(dir_fd: int, name: str, uid: int) -> str | None:
+    """Give ``uid`` rw on the regular file ``name`` in ``dir_fd``, never through a link; what went wrong, or None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: a link
+            return ("a symbolic link, not followed and given no access (a tool may have made it; the mail sync "
+                    "must not follow it either, docs/install.md)")
+        return f"cannot be opened ({exc.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file; given no access"
+        grant_access(fd, uid, R | W, inherit=False)
+    except BackendUnavailable as exc:
+        return exc.message
+    finally:
+        os.close(fd)
+    return None
 
 
 def _dir(root: Path | None, path: Path, uid: int, perms: int, mode: int) -> str:

@@ -70,7 +70,7 @@ def test_init_ipc_log_and_scratch_space(inspected: dict[str, Any]) -> None:
     assert host["IpcMode"] == "private"
     assert host["LogConfig"]["Type"] == "none"
     tmpfs = host["Tmpfs"]
-    assert set(tmpfs) == {"/tmp", "/officer/data"}
+    assert set(tmpfs) == {"/tmp"}  # /officer/data is the email database's folder on the host (below)
     for options in tmpfs.values():
         assert {"nosuid", "nodev"} <= set(options.split(","))
     assert "size=12m" in tmpfs["/tmp"].split(",")
@@ -78,10 +78,11 @@ def test_init_ipc_log_and_scratch_space(inspected: dict[str, Any]) -> None:
 
 def test_mounts_are_the_documented_ones_and_never_the_docker_socket(inspected: dict[str, Any]) -> None:
     mounts = {m["Destination"]: m for m in inspected["Mounts"]}
-    assert set(mounts) == {"/officer/tools", "/officer/user", "/officer/user/tools", "/officer/run"}
+    assert set(mounts) == {"/officer/tools", "/officer/user", "/officer/user/tools", "/officer/run", "/officer/data"}
     for destination, writable in (("/officer/tools", False), ("/officer/user/tools", False), ("/officer/run", False),
-                                  ("/officer/user", True)):
+                                  ("/officer/user", True), ("/officer/data", True)):
         assert mounts[destination]["Type"] == "bind" and mounts[destination]["RW"] is writable, destination
+    assert mounts["/officer/data"]["Source"].endswith(f"/email/{USER}")  # this user's email folder alone
     assert not any("docker.sock" in m["Source"] for m in inspected["Mounts"])
 
 

@@ -7,6 +7,7 @@ mounts the victim's mail into the attacker's next sandbox. Real daemon, real Doc
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -19,6 +20,7 @@ import pytest
 
 from sandboxd.client import RpcError
 from sandboxd.config import AUTO_SANDBOX_ID
+from sandboxd.sandbox.mounts import acl_users
 
 from tests.e2e.conftest import Daemon
 from tests.e2e.hostile_harness import call, install_hostile_tools
@@ -64,6 +66,32 @@ def test_a_link_planted_in_the_user_folder_never_reaches_another_users_mail(make
     assert os.path.islink(daemon.data / MALLORY / "emails.db")
     seen = mail_seen_by(daemon, MALLORY)
     assert seen == "ENOENT" and SECRET not in seen
+
+
+def test_links_a_tool_plants_in_its_email_folder_are_never_followed_by_the_daemon(make_daemon: Any) -> None:
+    # /officer/data is mallory's email folder on the host, writable: she can plant links there
+    # (a FIFO too). Her next sandbox still starts; the daemon grants access on nothing it did
+    # not open as a regular file there, and names each planted entry in the log.
+    daemon = started(make_daemon)
+    victim = make_mail(daemon.data / "email" / ALICE / "emails.db", SECRET)
+    outside = daemon.tmp / "host-only.txt"
+    outside.write_text("the host's own")
+    outside.chmod(0o600)
+    daemon.start()
+    with daemon.client() as client:
+        crashed = call(client, MALLORY, "mail_link_planter",
+                       {"database": str(victim), "journal": str(outside), "crash": True})
+        assert crashed["status"] == "crashed", crashed
+        report = call(client, MALLORY, "fs_probe", {"read": "/officer/data/emails.db,/officer/data"})["details"]
+    assert os.path.islink(daemon.data / "email" / MALLORY / "emails.db")
+    assert report["read /officer/data/emails.db"] == "ENOENT"  # resolved in the sandbox, where that path is not
+    assert SECRET not in json.dumps(report)
+    assert acl_users(outside) == {} and outside.read_text() == "the host's own"
+    problems = " | ".join(e["problem"] for e in daemon.events("sandbox_mount_access", user=MALLORY))
+    assert "emails.db: a symbolic link, not followed" in problems, problems
+    assert "emails.db-journal: a symbolic link, not followed" in problems, problems
+    assert "emails.db-wal: not a regular file" in problems, problems
+    assert SECRET in mail_seen_by(daemon, ALICE)
 
 
 def test_a_legacy_database_is_moved_at_start_and_a_planted_legacy_link_is_never_followed(make_daemon: Any) -> None:
@@ -148,7 +176,7 @@ def test_on_a_nosuid_nodev_data_path_the_writable_mounts_are_too(make_daemon: An
         with daemon.client() as client:
             report = call(client, MALLORY, "fs_probe", {"read": "/proc/self/mountinfo"})["details"]
         mountinfo = report["read /proc/self/mountinfo"].removeprefix("ok:")
-        for target in ("/officer/user", "/officer/data/emails.db"):
+        for target in ("/officer/user", "/officer/data"):
             assert {"nosuid", "nodev"} <= mount_options(mountinfo, target), target
         assert '"event": "data_path_allows_setuid"' not in daemon.log_path.read_text()
     finally:

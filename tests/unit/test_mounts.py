@@ -9,8 +9,9 @@ import pytest
 
 from sandboxd.config import AUTO_SANDBOX_ID, email_db_path, load_config
 from sandboxd.errors import ConfigError, UnsafeMount
-from sandboxd.sandbox.backend import CONTAINER_EMAIL_DB, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
-from sandboxd.sandbox.mounts import DEFAULT_ACL, R, W, X, acl_users, migrate_email_db, open_beneath, sandbox_binds
+from sandboxd.sandbox.backend import CONTAINER_EMAIL_DIR, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
+from sandboxd.sandbox.mounts import (ACCESS_ACL, DEFAULT_ACL, R, W, X, acl_users, grant_access, migrate_email_db,
+                                     open_beneath, sandbox_binds)
 
 ALICE, MALLORY = "alice@example.com", "mallory@example.com"
 UID = AUTO_SANDBOX_ID
@@ -40,6 +41,11 @@ def test_the_default_email_db_is_outside_the_user_data_folder(tmp_path: Path) ->
     ("{data_path}/shared.db", "must contain {user}"),
     ("mail/{user}.db", "absolute path"),
     ("{home}/{user}.db", "only {data_path} and {user}"),
+    # The folder is what a sandbox mounts: one per user, the file named as tools open it.
+    ("{data_path}/mail/{user}.db", "must name a file 'emails.db'"),
+    ("{data_path}/email/{user}/mail.sqlite", "must name a file 'emails.db'"),
+    ("{data_path}/email/{user}/../emails.db", "must put {user} in the folder's name"),
+    ("{data_path}/tools/{user}/emails.db", "inside DATA_PATH/tools, which every user's sandboxes mount"),
 ])
 def test_an_email_db_template_a_sandbox_could_reach_is_refused(tmp_path: Path, template: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match="sandbox.email_db") as info:
@@ -49,11 +55,14 @@ def test_an_email_db_template_a_sandbox_could_reach_is_refused(tmp_path: Path, t
 
 def test_binds_are_checked_paths_and_the_sandbox_uid_gets_access(tmp_path: Path) -> None:
     make_db(tmp_path / "email" / ALICE / "emails.db")
+    make_db(tmp_path / "email" / ALICE / "emails.db-wal")
     binds, warnings = sandbox_binds(spec(tmp_path, ALICE), UID)
     assert warnings == []
     by_target = {bind.target: bind for bind in binds}
     assert by_target[CONTAINER_USER].source == str(tmp_path.resolve() / ALICE)
-    assert by_target[CONTAINER_EMAIL_DB].source == str(tmp_path.resolve() / "email" / ALICE / "emails.db")
+    # The database's folder, not the file: its journal and WAL are the host's own files.
+    assert by_target[CONTAINER_EMAIL_DIR].source == str(tmp_path.resolve() / "email" / ALICE)
+    assert not by_target[CONTAINER_EMAIL_DIR].read_only
     assert by_target[CONTAINER_USER_TOOLS].read_only and not by_target[CONTAINER_USER].read_only
     # Made 0700: nobody but the daemon and, by the ACL, the sandbox uid enters a user's folder.
     # (The mode's group bits show the ACL's mask; the group entry itself stays empty.)
@@ -61,21 +70,76 @@ def test_binds_are_checked_paths_and_the_sandbox_uid_gets_access(tmp_path: Path)
     assert acl_users(tmp_path / ALICE) == {UID: R | W | X}
     assert acl_users(tmp_path / ALICE, DEFAULT_ACL)[UID] == R | W | X
     assert acl_users(tmp_path / "tools") == {UID: R | X}
+    assert acl_users(tmp_path / "email" / ALICE) == {UID: R | W | X}
+    assert acl_users(tmp_path / "email" / ALICE, DEFAULT_ACL)[UID] == R | W | X
     assert acl_users(tmp_path / "email" / ALICE / "emails.db") == {UID: R | W}
+    assert acl_users(tmp_path / "email" / ALICE / "emails.db-wal") == {UID: R | W}
 
 
-def test_without_a_database_nothing_is_mounted_at_its_place(tmp_path: Path) -> None:
-    binds, _ = sandbox_binds(spec(tmp_path, ALICE), UID)
-    assert CONTAINER_EMAIL_DB not in {bind.target for bind in binds}
+def test_without_a_database_its_folder_is_made_and_mounted(tmp_path: Path) -> None:
+    # So that a database the mail sync makes later is there at the sandbox's next call.
+    binds, warnings = sandbox_binds(spec(tmp_path, ALICE), UID)
+    assert warnings == []
+    folder = tmp_path / "email" / ALICE
+    assert {bind.target: bind.source for bind in binds}[CONTAINER_EMAIL_DIR] == str(folder.resolve())
+    assert folder.is_dir() and folder.stat().st_mode & 0o707 == 0o700
+    assert acl_users(folder, DEFAULT_ACL)[UID] == R | W | X
 
 
-def test_an_email_db_that_is_a_link_to_another_users_database_is_refused(tmp_path: Path) -> None:
-    # The attack, at the database's new place: whoever made the link, it is never followed.
+def test_a_folder_outside_the_data_path_is_never_made(tmp_path: Path) -> None:
+    config = load_config(environ={}, overrides={"data_path": tmp_path / "data",
+                                                "sandbox": {"email_db": str(tmp_path / "mail/{user}/emails.db")}})
+    data = tmp_path / "data"
+    missing = SandboxSpec(ALICE, data / "tools", data / ALICE, data / ALICE / "tools", email_db_path(config, ALICE),
+                          root=data)
+    binds, _ = sandbox_binds(missing, UID)
+    assert CONTAINER_EMAIL_DIR not in {bind.target for bind in binds}
+    assert not (tmp_path / "mail").exists()
+    make_db(tmp_path / "mail" / ALICE / "emails.db")
+    binds, _ = sandbox_binds(missing, UID)
+    assert {b.target: b.source for b in binds}[CONTAINER_EMAIL_DIR] == str((tmp_path / "mail" / ALICE).resolve())
+
+
+def test_an_email_folder_that_is_a_link_to_another_users_is_refused(tmp_path: Path) -> None:
     make_db(tmp_path / "email" / ALICE / "emails.db", "alice's mail")
-    (tmp_path / "email" / MALLORY).mkdir(parents=True)
-    (tmp_path / "email" / MALLORY / "emails.db").symlink_to(f"../{ALICE}/emails.db")
-    with pytest.raises(UnsafeMount, match="emails.db is a symbolic link"):
+    (tmp_path / "email" / MALLORY).symlink_to(ALICE)
+    with pytest.raises(UnsafeMount, match=f"{MALLORY} is a symbolic link"):
         sandbox_binds(spec(tmp_path, MALLORY), UID)
+
+
+def test_a_link_inside_the_email_folder_is_never_followed(tmp_path: Path) -> None:
+    # A tool can make files in its /officer/data, links included: mallory's sandbox plants
+    # "emails.db" and "emails.db-wal" pointing at alice's database. Inside a sandbox such a
+    # link resolves in the sandbox's own mounts; on the host the daemon never follows it.
+    victim = make_db(tmp_path / "email" / ALICE / "emails.db", "alice's mail")
+    (tmp_path / "email" / MALLORY).mkdir(parents=True)
+    (tmp_path / "email" / MALLORY / "emails.db").symlink_to(victim)
+    os.mkfifo(tmp_path / "email" / MALLORY / "emails.db-wal")
+    binds, warnings = sandbox_binds(spec(tmp_path, MALLORY), UID)
+    assert {b.target: b.source for b in binds}[CONTAINER_EMAIL_DIR] == str((tmp_path / "email" / MALLORY).resolve())
+    assert acl_users(victim) == {}  # no access was granted through the link
+    assert len(warnings) == 2
+    assert "emails.db: a symbolic link, not followed" in warnings[0] and "mail sync must not follow" in warnings[0]
+    assert "emails.db-wal: not a regular file" in warnings[1]
+
+
+def test_an_operators_grant_to_the_mail_sync_is_kept(tmp_path: Path) -> None:
+    # setfacl -m u:3000:rwx,d:u:3000:rw on the folder: the daemon adds the sandbox uid beside it.
+    folder = tmp_path / "email" / ALICE
+    folder.mkdir(parents=True, mode=0o700)
+    sync = 3000
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        grant_access(fd, sync, R | W | X, inherit=True)
+        grant_access(fd, UID, R | W | X, inherit=True)
+        again = os.getxattr(fd, ACCESS_ACL)
+        grant_access(fd, UID, R | W | X, inherit=True)  # nothing changes the second time
+        assert os.getxattr(fd, ACCESS_ACL) == again
+    finally:
+        os.close(fd)
+    assert acl_users(folder) == {sync: R | W | X, UID: R | W | X}
+    assert acl_users(folder, DEFAULT_ACL) == {sync: R | W | X, UID: R | W | X, os.geteuid(): R | W | X}
+    assert folder.stat().st_mode & 0o777 == 0o770  # the mask lets both have it; "other" still gets nothing
 
 
 def test_a_user_tools_folder_that_became_a_link_is_refused(tmp_path: Path) -> None:
