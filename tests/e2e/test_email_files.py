@@ -177,3 +177,24 @@ def test_a_write_killed_half_way_is_rolled_back_by_the_next_opener(make_daemon: 
     with sqlite3.connect(db) as check:
         assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     check.close()
+
+
+def test_email_db_names_a_hot_journal_instead_of_a_bare_sqlite_error(make_daemon: Any) -> None:
+    """A read-only open cannot roll a killed write back; the tool says what happened and what mends it."""
+    daemon = started(make_daemon, config="")
+    db = mail_path(daemon)
+    sync = sync_open(db)
+    sync.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT)")
+    sync.executemany("INSERT INTO messages (body) VALUES (hex(randomblob(2000)))", [()] * 100)
+    sync.close()
+    script = ("db.execute('PRAGMA cache_size=5')\ndb.execute('BEGIN')\n"
+              "db.execute('UPDATE messages SET body = lower(body)')\nos._exit(9)\n")  # dies, journal left hot
+    with daemon.client() as client:
+        result = client.call_tool(A, "sqlite_script", {"script": OPEN + script})
+        assert result["isError"] is True, text(result)
+        message = refused(client.call_tool(A, "email_db", {"action": "stats"}), "unfinished write", "rolls it back")
+        assert "attempt to write a readonly database" not in message
+        sync = sync_open(db)  # the sync's next open rolls it back
+        sync.execute("SELECT count(*) FROM messages").fetchone()
+        sync.close()
+        assert "messages: 100 rows" in ok(client.call_tool(A, "email_db", {"action": "stats"}))

@@ -13,6 +13,7 @@ import json
 import math
 import sqlite3
 import struct
+import time
 import wave
 import zlib
 from pathlib import Path
@@ -100,7 +101,7 @@ def make_mail(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as db:
         # WAL, as a mail sync that reads while it writes would leave it: a read-only open
-        # then needs a -shm file beside the database (in the sandbox's /officer/data).
+        # then needs a -shm file beside the database (the host's, in the folder /officer/data is).
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, subject TEXT, sender TEXT, body TEXT)")
         db.execute("CREATE TABLE labels (name TEXT)")  # nothing to search in: skipped by search
@@ -145,8 +146,8 @@ def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: A
         assert "3 items saved to /officer/user/mail.json" in out
         assert len(json.loads((daemon.user_dir(A) / "mail.json").read_text())["rows"]) == 3
 
-        # The mount is read-write (test_daemon.py proves a sandbox can write it): each
-        # refusal below is SQLite's read-only open and query_only, whatever the statement.
+        # The mount is read-write (test_daemon.py proves a sandbox can write it): each refusal
+        # below is SQLite's authorizer (behind it, the read-only open and query_only).
         for sql in ["DELETE FROM messages",
                     "WITH doomed AS (SELECT id FROM messages) DELETE FROM messages WHERE id IN doomed",
                     "INSERT INTO messages (subject) VALUES ('planted')",
@@ -154,12 +155,12 @@ def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: A
                     "DROP TABLE labels",
                     "CREATE TABLE planted (x)",
                     "PRAGMA user_version = 7"]:
-            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error", "readonly",
-                    "only SELECT statements")
+            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error",
+                    "is refused: email_db runs read-only statements only", "only SELECT statements")
         # A second statement (to switch query_only off first, say) is never run. Each error's hint
         # fits it, and none is doubled ("at a time.. Only").
         two = call(client, "email_db", {"action": "query", "sql": "PRAGMA query_only = 0; DELETE FROM messages"})
-        refused(two, "one statement at a time. Send one statement per call.")
+        refused(two, "one statement")
         syntax = call(client, "email_db", {"action": "query", "sql": "SELEKT 1"})
         refused(syntax, "SQL error", "syntax error", "See action=schema")
         refused(call(client, "email_db", {"action": "query", "sql": "SELECT * FROM nope"}), "no such table: nope")
@@ -173,6 +174,34 @@ def test_email_db_reads_any_schema_and_sqlite_refuses_every_write(make_daemon: A
         assert check.execute("PRAGMA user_version").fetchone() == (0,)
         assert check.execute("SELECT name FROM sqlite_master WHERE name = 'planted'").fetchone() is None
     check.close()
+
+
+def test_email_db_creates_no_file_and_stops_a_query_at_its_budget(make_daemon: Any) -> None:
+    """Hostile SQL through the seed tool: files made through ATTACH and VACUUM INTO, a query without end."""
+    daemon = make_daemon()
+    db = daemon.data / "email" / A / "emails.db"
+    make_mail(db)
+    home = user_dir(daemon)
+    with daemon.client() as client:
+        for sql, named in [("ATTACH '/officer/user/x.db' AS x", "ATTACH"),
+                           ("VACUUM INTO '/officer/user/copy.db'", "VACUUM INTO attach a database too"),
+                           ("VACUUM INTO '/officer/data/copy.db'", "VACUUM INTO attach a database too"),
+                           ("PRAGMA journal_mode = DELETE", "PRAGMA journal_mode = DELETE is refused")]:
+            refused(call(client, "email_db", {"action": "query", "sql": sql}), "SQL error", named)
+        started = time.monotonic()
+        endless = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT count(*) FROM r"
+        refused(call(client, "email_db", {"action": "query", "sql": endless, "timeout_seconds": 2}),
+                "longer than its time budget of 2 s")
+        assert time.monotonic() - started < 10  # the budget, not the call's 30 s deadline
+        joined = "SELECT count(*) FROM messages a, messages b, messages c, messages d, messages e, messages f, " \
+                 "messages g, messages h, messages i, messages j, messages k, messages l, messages m, messages n, " \
+                 "messages o, messages p, messages q, messages r, messages s, messages t, messages u, messages v"
+        refused(call(client, "email_db", {"action": "query", "sql": joined, "timeout_seconds": 1}), "time budget of 1 s")
+        doubling = "WITH RECURSIVE r(x) AS (SELECT 'a' UNION ALL SELECT x || x FROM r) SELECT length(x) FROM r LIMIT 40"
+        refused(call(client, "email_db", {"action": "query", "sql": doubling, "limit": 50}), "more than 64 MiB of memory")
+        assert "messages: 3 rows" in ok(call(client, "email_db", {"action": "stats"}))  # the same sandbox, still fine
+    assert sorted(p.name for p in home.iterdir()) == ["tools"]
+    assert sorted(p.name for p in db.parent.iterdir() if not p.name.startswith("emails.db")) == []
 
 
 def test_ffmpeg_renders_and_ocr_reads_it_back(make_daemon: Any) -> None:

@@ -10,6 +10,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,16 +76,66 @@ def mail(tmp_path: Path) -> Path:
     "VACUUM",
     "REINDEX",
 ])
-def test_email_db_helper_leaves_every_write_to_sqlite_to_refuse(mail: Path, sql: str) -> None:
+def test_email_db_helper_refuses_every_write_before_it_runs(mail: Path, sql: str) -> None:
     before = mail.read_bytes()
     answer = helper(mail, action="query", sql=sql, limit=10)
     assert answer["error"] == "sql", answer
-    assert "readonly" in answer["message"] or "read-only" in answer["message"] or "query_only" in answer["message"], answer
+    assert "is refused: email_db runs read-only statements only" in answer["message"], answer
     assert mail.read_bytes() == before
 
 
+@pytest.mark.parametrize(("sql", "named"), [
+    ("ATTACH '{dir}/planted.db' AS p", "ATTACH"),
+    ("VACUUM INTO '{dir}/copy.db'", "ATTACH (VACUUM and VACUUM INTO attach a database too)"),
+    ("PRAGMA query_only = 0", "PRAGMA query_only = 0"),
+    ("PRAGMA writable_schema = 1", "PRAGMA writable_schema = 1"),
+    ("BEGIN IMMEDIATE", "a transaction"),
+    ("SELECT load_extension('/tmp/x')", "load_extension()"),
+])
+def test_email_db_helper_names_what_it_refused_and_makes_no_file(mail: Path, sql: str, named: str) -> None:
+    answer = helper(mail, action="query", sql=sql.format(dir=mail.parent), limit=10)
+    assert answer["error"] == "sql" and answer["message"].startswith(named), answer
+    assert sorted(p.name for p in mail.parent.iterdir()) == ["emails.db"]
+
+
+def test_email_db_helper_allows_reporting_pragmas_and_table_valued_functions(mail: Path) -> None:
+    assert helper(mail, action="query", sql="PRAGMA user_version", limit=5)["rows"] == [{"user_version": 0}]
+    names = helper(mail, action="query", sql="SELECT name FROM pragma_table_info('messages')", limit=10)["rows"]
+    assert [r["name"] for r in names] == ["id", "subject", "sender", "body"]
+    assert helper(mail, action="query", sql="SELECT value FROM json_each('[1, 2]')", limit=5)["rows"] == [
+        {"value": 1}, {"value": 2}]
+    cte = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 5) SELECT sum(i) AS s FROM r"
+    assert helper(mail, action="query", sql=cte, limit=5)["rows"] == [{"s": 15}]
+
+
+def test_email_db_helper_stops_an_endless_query_at_its_time_budget(mail: Path) -> None:
+    started = time.monotonic()
+    answer = helper(mail, action="query", limit=5, budget_s=1,
+                    sql="WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT count(*) FROM r")
+    assert time.monotonic() - started < 5
+    assert answer["error"] == "sql" and "longer than its time budget of 1 s" in answer["message"], answer
+
+
+def test_email_db_helper_bounds_memory_and_the_values_it_returns(mail: Path) -> None:
+    doubling = "WITH RECURSIVE r(x) AS (SELECT 'a' UNION ALL SELECT x || x FROM r) SELECT length(x) FROM r LIMIT 40"
+    answer = helper(mail, action="query", sql=doubling, limit=50)
+    assert answer["error"] == "sql" and "needed more than 64 MiB of memory" in answer["message"], answer
+    big = helper(mail, action="query", sql="SELECT zeroblob(3000000) AS b FROM messages, messages m2", limit=50)
+    assert len(big["rows"]) == 2 and big["truncated"] and "16 MiB" in big["cut"], {k: v for k, v in big.items() if k != "rows"}
+
+
+def test_email_db_helper_names_an_unfinished_write_it_cannot_roll_back(mail: Path) -> None:
+    script = (f"import os, sqlite3\nc = sqlite3.connect({str(mail)!r}, isolation_level=None)\n"
+              "c.execute('PRAGMA cache_size=1')\nc.execute('BEGIN')\n"
+              "c.executemany('INSERT INTO messages (body) VALUES (?)', [('x' * 5000,)] * 50)\nos._exit(9)\n")
+    subprocess.run([sys.executable, "-c", script], check=False)
+    assert Path(f"{mail}-journal").stat().st_size > 0  # left hot
+    answer = helper(mail, action="stats")
+    assert answer["error"] == "unfinished" and "a read-write open rolls it back" in answer["message"], answer
+
+
 def test_email_db_helper_runs_one_statement_only(mail: Path) -> None:
-    answer = helper(mail, action="query", sql="PRAGMA query_only = 0; DELETE FROM messages", limit=10)
+    answer = helper(mail, action="query", sql="SELECT 1; DELETE FROM messages", limit=10)
     assert answer["error"] == "sql" and "one statement" in answer["message"], answer
     assert helper(mail, action="stats")["tables"] == [{"table": "messages", "rows": 2}]
 

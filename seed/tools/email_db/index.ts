@@ -1,9 +1,12 @@
-import { execFileSync, spawnSync } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { existsSync, realpathSync, writeFileSync } from 'node:fs';
 import { basename, dirname, join, resolve } from 'node:path';
 
 type ToolResult = { content: Array<{ type: string; text: string }>; isError?: boolean };
-type Params = { action: string; sql?: string; text?: string; limit?: number; output_path?: string };
+type Params = {
+  action: string; sql?: string; text?: string; limit?: number; output_path?: string; timeout_seconds?: number;
+};
+type Run = { status: number | null; stdout: string; stderr: string; error?: Error };
 
 const USER_ROOT = '/officer/user';
 const TOOL_DIR = typeof __dirname !== 'undefined' ? __dirname : dirname(new URL(import.meta.url).pathname);
@@ -46,16 +49,44 @@ function count(n: number, one: string, many = `${one}s`): string {
 
 // What to do about an SQL error, by what SQLite said: most are about the SQL itself.
 function sqlHint(message: string): string {
-  if (/readonly|read-only/i.test(message)) return 'The email database is read-only: only SELECT statements (and read-only PRAGMAs) run.';
+  if (/is refused|readonly|read-only/i.test(message)) return 'The email database is read-only: only SELECT statements (and read-only PRAGMAs) run.';
   if (/one statement at a time/i.test(message)) return 'Send one statement per call.';
   return 'See action=schema for the tables and columns.';
+}
+
+const MAX_ANSWER_BYTES = 64 * 1024 * 1024; // the helper holds its values to 16 MiB; this is the backstop
+
+// The helper, without blocking the shim: a cancel (the call's AbortSignal) kills it at once. It
+// stops itself at its time budget; the kill 5 s later is for a helper that cannot.
+function runHelper(input: string, budgetS: number, signal?: AbortSignal): Promise<Run> {
+  return new Promise((done) => {
+    const child = spawn('python3', [HELPER], { stdio: ['pipe', 'pipe', 'pipe'], signal });
+    const out: Buffer[] = [];
+    let size = 0;
+    let stderr = '';
+    let failure: Error | undefined;
+    const timer = setTimeout(() => child.kill('SIGKILL'), (budgetS + 5) * 1000);
+    child.stdout.on('data', (chunk: Buffer) => {
+      size += chunk.length;
+      if (size > MAX_ANSWER_BYTES) { failure = new Error('its answer grew past 64 MiB'); child.kill('SIGKILL'); }
+      else out.push(chunk);
+    });
+    child.stderr.on('data', (chunk: Buffer) => { stderr = (stderr + chunk.toString()).slice(-4000); });
+    child.on('error', (e) => { failure = failure ?? e; });
+    child.on('close', (status) => {
+      clearTimeout(timer);
+      done({ status, stdout: Buffer.concat(out).toString('utf-8'), stderr, error: failure });
+    });
+    child.stdin.on('error', () => {}); // a helper that died early: its exit says why
+    child.stdin.end(input);
+  });
 }
 
 function table(columns: string[], rows: Record<string, unknown>[]): string {
   return rows.map((r, i) => `${i + 1}. ` + columns.map((c) => `${c}: ${r[c] ?? ''}`).join(' | ')).join('\n');
 }
 
-export async function execute(_toolCallId: string, params: Params): Promise<ToolResult> {
+export async function execute(_toolCallId: string, params: Params, signal?: AbortSignal): Promise<ToolResult> {
   try {
     const db = process.env.OFFICER_EMAIL_DB || '/officer/data/emails.db';
     if (!existsSync(db)) {
@@ -64,20 +95,21 @@ export async function execute(_toolCallId: string, params: Params): Promise<Tool
     if (!hasCommand('python3')) return err('python3 is required to read the email database but is not installed in the sandbox.');
     const limit = params.limit ?? 50;
     if (!Number.isInteger(limit) || limit < 1 || limit > 1000) return err(`limit must be a whole number from 1 to 1000, got ${params.limit}.`);
+    const budget = params.timeout_seconds ?? 20;
+    if (!(budget >= 1 && budget <= 300)) return err(`timeout_seconds must be from 1 to 300, got ${params.timeout_seconds}.`);
     if (params.action === 'query' && !params.sql?.trim()) return err('sql is required for action=query, e.g. "SELECT count(*) FROM messages".');
     if (params.action === 'search' && !params.text) return err('text is required for action=search, e.g. text: "invoice".');
     const out = params.output_path ? userPath('output_path', params.output_path, false) : undefined;
 
-    const run = spawnSync('python3', [HELPER], {
-      input: JSON.stringify({ db, action: params.action, sql: params.sql, text: params.text, limit }),
-      encoding: 'utf-8',
-      timeout: 60_000,
-      maxBuffer: 256 * 1024 * 1024,
-    });
+    const run = await runHelper(
+      JSON.stringify({ db, action: params.action, sql: params.sql, text: params.text, limit, budget_s: budget }),
+      budget, signal);
+    if (signal?.aborted) return err('Cancelled: the query was stopped.');
     if (run.error) return err(`Could not run the database helper: ${run.error.message}`);
     if (run.status !== 0) return err(`The database helper failed (exit ${run.status}): ${run.stderr.trim().slice(-2000)}`);
     const res = JSON.parse(run.stdout);
     if (res.error === 'open') return err(`Cannot open the email database at ${db}: ${res.message}. It may be damaged or not an SQLite file.`);
+    if (res.error === 'unfinished') return err(`Cannot read the email database at ${db} yet: ${res.message} (the mail sync's next run does). This tool only reads, so it does not; try again later.`);
     if (res.error === 'sql') return err(`SQL error: ${String(res.message).replace(/\.+$/, '')}. ${sqlHint(res.message)}`);
     if (res.error) return err(`Unknown action "${params.action}". Use one of: stats, schema, query, search.`);
 
@@ -94,7 +126,8 @@ export async function execute(_toolCallId: string, params: Params): Promise<Tool
         return ok(res.objects.map((o: { sql: string }) => `${o.sql};`).join('\n\n') || '(empty database)');
       case 'query': {
         if (res.rows.length === 0) return ok('No results.');
-        const more = res.truncated ? `\n\n(more rows exist: raise limit, add LIMIT/OFFSET, or use output_path)` : '';
+        const more = res.cut ? `\n\n(${res.cut}: select fewer columns, or add LIMIT/OFFSET)`
+          : res.truncated ? `\n\n(more rows exist: raise limit, add LIMIT/OFFSET, or use output_path)` : '';
         return ok(`${count(res.rows.length, 'result')}:\n\n${table(res.columns, res.rows)}${more}`);
       }
       default: {
