@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
 from sandboxd.client import Client, DaemonUnreachable, RpcError
@@ -23,6 +25,10 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     p.add_argument("name", help="tool name")
     p.add_argument("--user", required=True, help="whose tools, data and sandboxes (an email address)")
     add_argument_flags(p)
+    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a variable the tool sees during this call (repeatable), e.g. --env PI_SEARXNG_URL=http://10.0.0.7:8080; "
+                        "NAME alone passes this shell's $NAME, which keeps a secret off the command line (where "
+                        "other local users can read it). Only names the daemon allows (calls.allowed_env)")
     p.add_argument("--timeout", type=float, metavar="S", help="deadline in seconds (capped by the daemon)")
     p.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
     p.add_argument("--raw", action="store_true", help="print the raw result object as JSON")
@@ -60,6 +66,29 @@ def parse_tool_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return arguments
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_env(items: list[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """--env NAME=VALUE / --env NAME (from ``environ``). Raises ValueError with a usage message.
+
+    Which names may be set is the daemon's to say (calls.allowed_env); its refusal names them."""
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"--env {item!r} must look like NAME=VALUE or NAME, with NAME a variable name "
+                             "such as PI_SEARXNG_URL")
+        if name in env:
+            raise ValueError(f"--env {name} is given twice; give each name once")
+        if not sep:
+            if name not in environ:
+                raise ValueError(f"--env {name}: ${name} is not set in this shell; export it or give --env {name}=VALUE")
+            value = environ[name]
+        env[name] = value
+    return env
+
+
 def print_progress(params: dict[str, Any]) -> None:
     for block in params.get("content") or []:
         if isinstance(block, dict) and block.get("type") == "text":
@@ -80,9 +109,12 @@ def print_result(result: dict[str, Any]) -> None:
 def run_call(args: argparse.Namespace, config: Config) -> int:
     try:
         arguments = parse_tool_arguments(args)
+        env = parse_env(args.env)
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
     params: dict[str, Any] = {"user": args.user, "name": args.name, "arguments": arguments}
+    if env:
+        params["env"] = env
     if args.timeout is not None:
         params["timeoutMs"] = int(args.timeout * 1000)
     try:
