@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,20 @@ def mail_path(daemon: Daemon, user: str = A) -> Path:
 
 def sync_open(db: Path) -> sqlite3.Connection:
     """The host's mail sync, as docs/install.md asks: the file made 0660 (so SQLite gives its
-    -journal, -wal and -shm that mode too), then opened without following links."""
+    -journal, -wal and -shm that mode too), and opened only when it and its companions are
+    regular files (or absent): a tool may have planted links there."""
     db.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(db, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o660))
     except FileExistsError:
         pass
-    return sqlite3.connect(f"file:{db}?nofollow=1", uri=True, isolation_level=None)
+    for suffix in ("", "-journal", "-wal", "-shm"):
+        try:
+            info = os.lstat(f"{db}{suffix}")
+        except FileNotFoundError:
+            continue
+        assert stat.S_ISREG(info.st_mode) and info.st_nlink == 1, f"{db}{suffix} is not a plain file"
+    return sqlite3.connect(db, isolation_level=None)
 
 
 def add_messages(db: sqlite3.Connection, *subjects: str) -> None:

@@ -193,3 +193,22 @@ def test_a_legacy_link_is_left_where_it_is(tmp_path: Path) -> None:
     target = tmp_path / "email" / MALLORY / "emails.db"
     assert "not a regular file" in (migrate_email_db(legacy, target) or "")
     assert not os.path.lexists(target)
+
+
+def test_docs_recipe_a_mail_sync_user_granted_on_the_email_root_reaches_every_users_folder(tmp_path: Path) -> None:
+    # docs/install.md: `setfacl -m u:SYNC:rwx,d:u:SYNC:rwx DATA_PATH/email` before the daemon makes
+    # the users' folders. A folder made 0700 inherits the entry with an empty mask; the daemon's
+    # grant widens the mask, so the sync's entry works too.
+    sync = 3000
+    root = tmp_path / "email"
+    root.mkdir(mode=0o700)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        grant_access(fd, sync, R | W | X, inherit=True)
+    finally:
+        os.close(fd)
+    sandbox_binds(spec(tmp_path, ALICE), UID)
+    folder = root / ALICE
+    assert {sync: R | W | X, UID: R | W | X}.items() <= acl_users(folder).items()
+    assert acl_users(folder, DEFAULT_ACL)[sync] == R | W | X
+    assert folder.stat().st_mode & 0o070 == 0o070  # the mask: both entries take effect
