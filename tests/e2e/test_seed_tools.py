@@ -204,6 +204,23 @@ def test_email_db_creates_no_file_and_stops_a_query_at_its_budget(make_daemon: A
     assert sorted(p.name for p in db.parent.iterdir() if not p.name.startswith("emails.db")) == []
 
 
+def test_a_cancelled_email_db_query_stops_within_the_grace(make_daemon: Any, docker_api: Any) -> None:
+    # The helper runs beside the shim's event loop, not blocking it: the AbortSignal reaches it.
+    daemon = make_daemon("calls:\n  cancel_grace_ms: 3000\n")
+    make_mail(daemon.data / "email" / A / "emails.db")
+    endless = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT count(*) FROM r"
+    with daemon.client() as client:
+        client.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "user": A, "name": "email_db", "arguments": {"action": "query", "sql": endless, "timeout_seconds": 120}}})
+        time.sleep(2)  # the query runs
+        client.cancel(1, "user pressed stop")
+        while "id" not in (reply := client.read_message()):
+            pass
+        result = reply["result"]
+        assert result["status"] == "cancelled" and "killed" not in text(result), result
+        assert "messages: 3 rows" in ok(call(client, "email_db", {"action": "stats"}))
+
+
 def test_ffmpeg_renders_and_ocr_reads_it_back(make_daemon: Any) -> None:
     daemon = make_daemon()
     home = user_dir(daemon)
