@@ -3,6 +3,12 @@
 Lines are framed by ``LineBuffer`` (an over-long line is answered with -32600 and
 skipped), each goes to the JSON-RPC ``Dispatcher``, the connection's calls in flight
 are its ``ConnectionCalls``. A problem with one message never closes the connection.
+
+The loop is every client's and every sandbox's: a connection handles at most
+``LINES_PER_TURN`` lines before the loop's other work gets its turn (a client pipelining
+thousands of requests in one write would otherwise hold it for their whole time), and a
+refused peer is answered after ``RefusedPeers.DELAY_S``, so a client retrying in a loop
+costs a few accepts a second, not thousands.
 """
 
 from __future__ import annotations
@@ -18,12 +24,42 @@ from sandboxd.server.rpc import INVALID_REQUEST, Dispatcher, Method, encode, err
 
 # Stop reading from a client whose responses pile up unread.
 _WRITE_HIGH_WATER = 8 << 20
+# Lines one connection handles in one go; the rest wait in its buffer (and its reading pauses).
+LINES_PER_TURN = 64
+
+
+class RefusedPeers:
+    """The door for peers the edge refuses: one error line, after ``DELAY_S``, then the close.
+
+    At most ``MAX_HELD`` wait at once (each holds an fd); past that, answered at once."""
+
+    DELAY_S = 0.5
+    MAX_HELD = 256
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def refuse(self, transport: asyncio.Transport, message: bytes) -> None:
+        def answer() -> None:
+            self.held -= 1
+            if not transport.is_closing():
+                transport.write(message)
+                transport.close()
+
+        if self.held >= self.MAX_HELD:
+            transport.write(message)
+            transport.close()
+            return
+        self.held += 1
+        transport.pause_reading()  # nothing it sends is read
+        asyncio.get_running_loop().call_later(self.DELAY_S, answer)
 
 
 class Edge(Protocol):
     """What a connection may use of the daemon."""
 
     calls: Calls
+    refused_peers: RefusedPeers
 
     @property
     def max_message_bytes(self) -> int: ...
@@ -47,6 +83,8 @@ class Connection(asyncio.Protocol):
         self.calls = ConnectionCalls(edge.calls, self.send)
         self._rpc = Dispatcher(self.send, edge.methods(self.calls), {"notifications/cancelled": self.calls.cancel})
         self.closed = False
+        self._paused: set[str] = set()  # why reading is paused: "writing" (the client reads no more), "turn"
+        self._next_turn: asyncio.Handle | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------
 
@@ -56,37 +94,64 @@ class Connection(asyncio.Protocol):
         if refusal is not None:
             # One error line, then the door: a refused peer never reaches dispatch.
             self.closed = True
-            self.transport.write(encode({"jsonrpc": "2.0", "id": None, "error": error_body(PeerRefused(refusal))}))
-            self.transport.close()
+            self._edge.refused_peers.refuse(
+                self.transport, encode({"jsonrpc": "2.0", "id": None, "error": error_body(PeerRefused(refusal))}))
             return
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         self._edge.opened(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._next_turn is not None:
+            self._next_turn.cancel()
         self._edge.closed(self)
         self.calls.client_gone()
 
     def pause_writing(self) -> None:
         # The client reads no more: stop reading its requests and its calls' sandboxes,
         # so that their output waits in the sandbox, not in our write buffer.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self._pause("writing")
         self.calls.pause()
 
     def resume_writing(self) -> None:
-        if self.transport is not None:
-            self.transport.resume_reading()
+        self._resume("writing")
         self.calls.resume()
 
     def data_received(self, data: bytes) -> None:
-        for line in self._lines.feed(data):
-            if isinstance(line, bytes):
-                self._rpc.handle_line(line)
-            else:  # over the limit, and skipped
-                self.send({"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": (
-                    f"message longer than {self._lines.max_line} bytes; it was skipped. "
-                    "Send smaller messages (limit: max_message_bytes).")}})
+        self._handle(data)
+
+    def _handle(self, data: bytes = b"") -> None:
+        """Handle the lines ``data`` completes, LINES_PER_TURN at most; the rest at the loop's next turn."""
+        self._next_turn = None
+        lines = self._lines.feed(data)
+        try:
+            for handled, line in enumerate(lines, 1):
+                if isinstance(line, bytes):
+                    self._rpc.handle_line(line)
+                else:  # over the limit, and skipped
+                    self.send({"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": (
+                        f"message longer than {self._lines.max_line} bytes; it was skipped. "
+                        "Send smaller messages (limit: max_message_bytes).")}})
+                if handled >= LINES_PER_TURN and not self.closed:
+                    # The rest stays in the buffer; reading waits until it is handled.
+                    self._pause("turn")
+                    self._next_turn = asyncio.get_running_loop().call_soon(self._handle)
+                    return
+        finally:
+            lines.close()  # what was not handled stays in the buffer for the next turn
+        self._resume("turn")
+
+    def _pause(self, reason: str) -> None:
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._paused.add(reason)
+
+    def _resume(self, reason: str) -> None:
+        if reason not in self._paused:
+            return
+        self._paused.discard(reason)
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         # A unix socket cannot tell a half-close from a close: EOF is a disconnect,

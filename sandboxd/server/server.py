@@ -24,7 +24,7 @@ from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallRunner, Calls, ConnectionCalls
-from sandboxd.server.connection import Connection
+from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Method
 from sandboxd.service import systemd
@@ -79,6 +79,7 @@ class Server:
         self.pool = Pool(self.backend, config.pool, self.spec_for)
         self.runner = CallRunner(config, self.pool, self.backend)
         self.connections: set[Connection] = set()
+        self.refused_peers = RefusedPeers()  # the door for peers allowed_uids/allowed_gids refuse
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.calls_in_flight: set[CallContext] = self.calls.in_flight

@@ -10,12 +10,19 @@ turn them red; the figures themselves are `make bench`'s ("noisy neighbours").
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.neighbours import Background, Pinger, Source, Spent, percentile, wait_for_pool, warm_call_seconds
+from bench.source import Source
+from sandboxd.server.connection import RefusedPeers
+from tests.e2e.neighbours import Background, Pinger, Spent, percentile, wait_for_pool, warm_call_seconds
 
 pytestmark = pytest.mark.docker
 
@@ -207,3 +214,121 @@ def test_a_refused_connection_flood_from_four_sandboxes_costs_the_daemon_little(
     (summary, *_) = daemon.events("log_lines_dropped")
     assert summary["by_source"][0]["source"] == "sandbox" and summary["by_source"][0]["event"] == "egress"
     assert len(daemon.events("egress")) < refused
+
+
+# Another uid's client: the system's Python (the test's own may sit below a home only root may enter).
+SYSTEM_PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+_CONNECT_AND_GO = """
+import socket, sys, time
+path, until, n = sys.argv[1], time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < until:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)  # and gone at once: no waiting for the answer
+    n += 1
+print(n)
+"""
+_RECONNECT = """
+import socket, sys, time
+path, until, n = sys.argv[1], time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < until:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.recv(4096)  # the one error line, then the daemon closes
+    n += 1
+print(n)
+"""
+
+
+def test_a_refused_client_reconnecting_in_a_loop_costs_the_log_a_bounded_amount(make_daemon: Any) -> None:
+    """A client whose uid may not use the daemon, reconnecting as fast as it can for 5 s: each
+    connection is refused after the door's delay (0.5 s), so it makes ten, not 60,000 (0.75 of a
+    core); and however many it makes, its uid's log budget holds their lines to log_burst +
+    log_rate x 5 s, and one summary line says how many went. Eight such clients at once."""
+    daemon = make_daemon(config="allowed_uids: [4242]\nsocket_mode: '0666'\n", start=False)
+    daemon.socket.parent.chmod(0o755)  # the client, uid 65534, must reach the socket
+    daemon.start()
+    with Spent(daemon) as spent, Pinger(daemon) as bystander:
+        clients = [subprocess.Popen([SYSTEM_PYTHON, "-c", _RECONNECT, str(daemon.socket), "5"], user=65534, cwd="/",
+                                    stdout=subprocess.PIPE, text=True) for _ in range(8)]
+        connections = sum(int(client.communicate(timeout=60)[0]) for client in clients)
+    refusals = daemon.events("peer_refused", uid=65534)
+    ping_p99 = percentile(bystander.seconds, 0.99) * 1000
+    _report("eight refused clients reconnecting for 5 s", connections=connections, logged=len(refusals),
+            log_kib=round(spent.log_bytes / 1024), daemon_cores=round(spent.cores, 3), ping_p99_ms=round(ping_p99, 2))
+    assert connections <= 8 * (5 / RefusedPeers.DELAY_S + 1), connections
+    assert spent.cores <= 0.1, spent.cores
+    assert len(refusals) == connections and spent.log_bytes <= 64 << 10, (len(refusals), spent.log_bytes)
+    assert ping_p99 <= 10, ping_p99
+
+
+def test_a_refused_peers_lines_are_held_to_its_uids_budget(make_daemon: Any) -> None:
+    """Without the door's delay (a client that never waits for its answer, in many processes): the
+    log holds log_burst + log_rate x t lines of that uid, and one summary line counts the rest."""
+    daemon = make_daemon(config="allowed_uids: [4242]\nsocket_mode: '0666'\n", start=False)
+    daemon.socket.parent.chmod(0o755)
+    daemon.start()
+    started = time.monotonic()
+    clients = [subprocess.Popen([SYSTEM_PYTHON, "-c", _CONNECT_AND_GO, str(daemon.socket), "3"], user=65534, cwd="/",
+                                stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    connections = sum(int(client.communicate(timeout=60)[0]) for client in clients)
+    time.sleep(RefusedPeers.DELAY_S * 2)  # the last held ones answered
+    refusals = daemon.events("peer_refused", uid=65534)
+    _report("refused clients connecting and leaving for 3 s", connections=connections, logged=len(refusals))
+    assert connections > 300, connections
+    assert len(refusals) <= 100 + 10 * (time.monotonic() - started) + 10, len(refusals)
+    deadline = time.monotonic() + 15
+    while not daemon.events("log_lines_dropped") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    top = daemon.events("log_lines_dropped")[0]["by_source"][0]
+    assert (top["source"], top["who"], top["event"]) == ("peer", "65534", "peer_refused") and top["dropped"] > 0
+    assert len(refusals) + top["dropped"] >= connections * 0.9, (len(refusals), top, connections)
+
+
+def test_a_client_calling_a_failing_tool_in_a_loop_costs_the_log_a_bounded_amount(make_daemon: Any) -> None:
+    """Every call is answered and counted, but the user's call lines (each with its error) are held to
+    the user's budget: the worst a well-formed client can do to the log."""
+    daemon = make_daemon()
+    calls, started = 0, time.monotonic()
+    with daemon.client() as client:
+        while time.monotonic() - started < 5:
+            result = client.call_tool("looper@example.com", "thrower", {})
+            assert result["status"] == "error" and "the database is on fire" in result["content"][0]["text"]
+            calls += 1
+        status = client.request("sandbox/status")
+    logged = daemon.events("call", user="looper@example.com")
+    _report("a client calling a failing tool for 5 s", calls=calls, logged=len(logged))
+    assert status["calls"]["error"] == calls
+    assert calls > 300, calls
+    assert len(logged) <= 100 + 10 * (time.monotonic() - started) + 10, len(logged)
+
+
+def test_a_client_pipelining_thousands_of_requests_does_not_hold_the_loop(make_daemon: Any) -> None:
+    """One write of 50,000 pings: the daemon works through them LINES_PER_TURN at a time, so a
+    bystander's pings are answered in between (without the turns it waited for most of them:
+    ~1 s at ~20 µs each); the flood gets every answer."""
+    daemon = make_daemon()
+    count = 50_000
+    flood = socket.socket(socket.AF_UNIX)
+    flood.connect(str(daemon.socket))
+    answers = bytearray()
+
+    def read_answers() -> None:
+        while answers.count(b"\n") < count:
+            data = flood.recv(1 << 20)
+            if not data:
+                return
+            answers.extend(data)
+
+    reader = threading.Thread(target=read_answers, daemon=True)
+    reader.start()
+    with Pinger(daemon, interval_s=0.001) as bystander:
+        time.sleep(0.3)
+        flood.sendall(b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\n' % i for i in range(count)))
+        reader.join(60)
+        time.sleep(0.2)
+    flood.close()
+    ping_p99, ping_max = percentile(bystander.seconds, 0.99) * 1000, max(bystander.seconds) * 1000
+    _report("a client pipelining 50,000 pings", bystander_ping_p99_ms=round(ping_p99, 2),
+            bystander_ping_max_ms=round(ping_max, 2), answered=answers.count(b"\n"))
+    assert answers.count(b"\n") == count
+    assert ping_max <= 100 and ping_p99 <= 10, (ping_p99, ping_max)

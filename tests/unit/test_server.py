@@ -16,7 +16,10 @@ from sandboxd.config import load_config
 from sandboxd.errors import SandboxFailed
 from sandboxd.sandbox.backend import CallRequest
 from sandboxd.sandbox.fake import FakeBackend
+from sandboxd.server.connection import LINES_PER_TURN, RefusedPeers
+from sandboxd.server.rpc import Dispatcher
 from sandboxd.server.server import Server
+from sandboxd.service.peercred import PeerPolicy
 
 USER = "alice@example.com"
 
@@ -542,3 +545,53 @@ def test_a_call_waiting_for_a_tools_scan_can_be_cancelled_and_keeps_its_id(tmp_p
         assert "cancelled before it started (stop)" in answer["result"]["content"][0]["text"]
         assert h.backend.starts == 0  # the tool never ran
         assert (await conn.request("sandbox/status", request_id="t"))["result"]["callsInFlight"] == 0
+
+
+def test_the_turn_budget_holds_a_pipelined_flood_to_a_turn_at_a_time(tmp_path: Path) -> None:
+    """While one connection's pipelined flood is worked through, another's line is handled within
+    a turn or two of it, not after all of it; the flood loses nothing."""
+    order: list[str] = []
+
+    @serving(tmp_path)
+    async def test(h: Harness) -> None:
+        real = Dispatcher.handle_line
+
+        def spy(self: Dispatcher, line: bytes) -> None:
+            order.append("b" if b'"b"' in line else "f")
+            real(self, line)
+
+        Dispatcher.handle_line = spy  # type: ignore[method-assign]
+        try:
+            flood, bystander = await h.connect(), await h.connect()
+            flood.send(b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\n' % i for i in range(10 * LINES_PER_TURN)))
+            bystander.send({"jsonrpc": "2.0", "id": "b", "method": "ping"})
+            await asyncio.gather(flood.writer.drain(), bystander.writer.drain())
+            assert (await bystander.read())["id"] == "b"
+            assert [(await flood.read())["id"] for _ in range(10 * LINES_PER_TURN)] == list(range(10 * LINES_PER_TURN))
+        finally:
+            Dispatcher.handle_line = real  # type: ignore[method-assign]
+        assert order.index("b") <= 2 * LINES_PER_TURN, order.index("b")
+
+    test  # noqa: B018
+
+
+def test_a_refused_peer_is_answered_after_the_door_delay(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(PeerPolicy, "refusal", lambda self, sock: "uid 1 may not use this sandboxd.")
+
+    @serving(tmp_path, allowed_uids=[12345])
+    async def test(h: Harness) -> None:
+        started = asyncio.get_running_loop().time()
+        conn = await h.connect()
+        reply = await conn.read()
+        assert reply["error"]["code"] == -32003 and "may not use" in reply["error"]["message"]
+        assert asyncio.get_running_loop().time() - started >= RefusedPeers.DELAY_S * 0.9
+        assert await conn.reader.read() == b""  # then the door
+        # Past MAX_HELD waiting at once, the next is answered at once (each held one is an fd).
+        h.server.refused_peers.held = RefusedPeers.MAX_HELD
+        started = asyncio.get_running_loop().time()
+        conn = await h.connect()
+        assert (await conn.read())["error"]["code"] == -32003
+        assert asyncio.get_running_loop().time() - started < RefusedPeers.DELAY_S
+        h.server.refused_peers.held = 0
+
+    test  # noqa: B018
