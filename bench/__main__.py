@@ -28,11 +28,12 @@ from bench import floors as f
 from bench import report
 from bench.daemon import REPO
 from bench.load import throughput
+from bench.neighbours import noisy_neighbours
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
-            "density", "attach", "overhead")
+            "density", "attach", "overhead", "neighbours")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -305,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"density: {', '.join(map(str, args.density))} users each holding a warm sandbox "
                 f"({DENSITY_CALLERS} callers filling)")
             results["density"] = run_density(root / "density", run_id, args)
+        if "neighbours" not in args.skip:
+            say("noisy neighbours: a bystander beside eight users at the pool's limit, eight sandboxes downloading, "
+                "and four flooding refused connections")
+            results["neighbours"] = noisy_neighbours(root / "neighbours", run_id, args.image)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

@@ -198,6 +198,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                         _x(ratio(row[key].get("p50_ms"), alone.get(key, {}).get("p50_ms"))), "", "—"))
         out.append((f"… daemon memory at {n} users (VmRSS, {row['sandboxes']} sandboxes)", f"{row['daemon_rss_mb']:.1f} MB",
                     f"with one user {alone.get('daemon_rss_mb', 0):.1f} MB", "", "", "—"))
+    out += _neighbour_rows(r.get("neighbours", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
@@ -206,6 +207,44 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         tp = over["throughput"]
         out.append((f"sandboxd alone (fake backend): throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"daemon CPU {tp['cpu']['daemon_cpu_us_per_call']:.0f} µs/call", "", "", "—"))
+    return out
+
+
+_SCENARIOS = {"pool": "8 users at the pool's limit (28 of 32 slots, 6 calls each)",
+              "egress": "8 sandboxes downloading at their rate", "flood": "4 sandboxes flooding refused connections"}
+
+
+def _p(figure: dict[str, Any], key: str, q: str) -> float | None:
+    return figure.get(key, {}).get(f"{q}_ms")
+
+
+def _neighbour_rows(n: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """Each scenario's bystander beside the same daemon quiet just before it, with the targets of issue 25."""
+    out: list[tuple[str, str, str, str, str, str]] = []
+    for name, what in _SCENARIOS.items():
+        loaded, quiet = n.get(name), n.get(f"{name}_quiet")
+        if not loaded or not quiet:
+            continue
+        ping, ping_quiet = _p(loaded, "ping", "p99"), _p(quiet, "ping", "p99")
+        out.append((f"{what}: a bystander's ping, p99", _ms(ping), f"quiet {_ms(ping_quiet)}", _x(ratio(ping, ping_quiet)),
+                    "≤ 10 ms", _check(ping is not None and ping <= 10)))
+        call, call_quiet = _p(loaded, "call", "p50"), _p(quiet, "call", "p50")
+        x = ratio(call, call_quiet)
+        out.append((f"… a warm call of the bystander, p50", _ms(call), f"quiet {_ms(call_quiet)}", _x(x), "≤ 3× quiet",
+                    _check(x is not None and x <= 3)))
+        extra = {"pool": f"{loaded.get('newcomers_served', 0)} of 4 newcomers served, first calls "
+                         f"{', '.join(f'{s:g} s' for s in loaded.get('newcomer_first_call_s', []))}",
+                 "egress": f"{loaded.get('egress_mib_s', 0):.0f} MiB/s moved",
+                 "flood": ""}[name]
+        out.append((f"… the daemon's CPU, log growth", f"{loaded['daemon_cores']:.2f} cores, {loaded['log_kib_per_s']:.1f} KiB/s",
+                    f"quiet {quiet['daemon_cores']:.2f} cores, {quiet['log_kib_per_s']:.1f} KiB/s" + (f"; {extra}" if extra else ""),
+                    "", "flood ≤ 0.25 core, ≤ 51 KiB/s" if name == "flood" else "",
+                    _check(loaded["daemon_cores"] <= 0.25 + quiet["daemon_cores"] and loaded["log_kib_per_s"] <= 51.2)
+                    if name == "flood" else "—"))
+        if name == "pool":
+            served = loaded.get("newcomer_first_call_s", [])
+            out.append(("… 4 newcomers' first calls, slowest", f"{max(served):.2f} s" if served else "—", "", "",
+                        "each ≤ 3 s", _check(len(served) == 4 and max(served) <= 3)))
     return out
 
 

@@ -129,7 +129,7 @@ class Pool:
             # The common call: nobody waits and the user has a usable idle sandbox. Only this user's
             # sandboxes are looked at; _plan walks them all (~1 ms per call at 500 users), so it runs
             # when anything else must happen, and every second from maintain().
-            self._apply(self._keep_warm(user, Plan(), self._clock(), self._ceiling()))
+            self._apply(self._keep_warm(user, Plan(), self._clock()))
             return pooled
         waiter = Waiter(user, loop.create_future())
         self._waiters.append(waiter)
@@ -167,7 +167,7 @@ class Pool:
         if self._waiters:
             self._apply(self._plan())
         else:
-            self._apply(self._keep_warm(user, Plan(), self._clock(), self._ceiling()))
+            self._apply(self._keep_warm(user, Plan(), self._clock()))
 
     def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
         """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
@@ -261,6 +261,10 @@ class Pool:
     def _usable(self, pooled: PooledSandbox) -> bool:
         return self._alive(pooled) and pooled.generation == self._generation
 
+    def _held(self) -> int:
+        """Sandboxes held for calls in all (a walk of the pool: only where the pool is near its ceiling)."""
+        return sum(1 for pooled in self._sandboxes if pooled.state in HELD)
+
     def _ceiling(self) -> int:
         """How many sandboxes may be held in all before only users' first calls are served."""
         return self.config.max_total - self.config.reserved
@@ -270,8 +274,7 @@ class Pool:
         pooled = next((p for p in self._of_user.get(user, ()) if p.state is State.IDLE), None)
         if pooled is None or not self._usable(pooled):
             return None  # _plan destroys a dead or retired one, and decides what else to do
-        if len(self._sandboxes) >= self._ceiling() and self._count(user, *HELD) \
-                and sum(1 for p in self._sandboxes if p.state in HELD) >= self._ceiling():
+        if len(self._sandboxes) >= self._ceiling() and self._count(user, *HELD) and self._held() >= self._ceiling():
             return None  # into the reserve: _plan decides (only a first call may go there)
         pooled.state, pooled.since = State.BUSY, self._clock()
         return pooled
@@ -334,12 +337,11 @@ class Pool:
         # 3. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
         #    Not while the user's callers wait for starts: a second start at the same time slows
         #    theirs (docker create/start share the CPU); the spare follows once they are served.
-        ceiling = self._ceiling()
         for user, last in self._last_call.items():
             # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
             if now - last > cfg.idle_ttl_s or len(idle_of.get(user, ())) >= cfg.min_idle or queues.get(user):
                 continue
-            self._keep_warm(user, plan, now, ceiling)
+            self._keep_warm(user, plan, now)
         return plan
 
     def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
@@ -419,12 +421,12 @@ class Pool:
                 best = key, min(idle, key=lambda p: p.since)
         return best[1] if best is not None else None
 
-    def _keep_warm(self, user: str, plan: Plan, now: float, ceiling: int) -> Plan:
+    def _keep_warm(self, user: str, plan: Plan, now: float) -> Plan:
         """min_idle for a user who called or listed within the TTL: start what is missing, in room
         outside the reserve. It never evicts, and waits out the backoff after a failed start."""
         if self._closing or now < self._backoff_until.get(user, 0.0):
             return plan
-        cfg = self.config
+        cfg, ceiling = self.config, self._ceiling()
         for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
             if len(self._of_user.get(user, ())) >= cfg.max_per_user or len(self._sandboxes) >= ceiling:
                 break
@@ -438,7 +440,7 @@ class Pool:
         if mine >= cfg.max_per_user:
             reason, why = "user_limit", (f"{user} already holds {mine} sandboxes, the most one user may "
                                          f"(pool.max_per_user: {cfg.max_per_user}); make fewer calls at once")
-        elif running and sum(1 for p in self._sandboxes if p.state in HELD) >= self._ceiling():
+        elif running and self._held() >= self._ceiling():
             reason, why = "reserve", (f"{user} already runs {running} calls, and the last {cfg.reserved} of the "
                                       f"pool's {cfg.max_total} sandboxes are kept for users' first calls "
                                       "(pool.reserve)")

@@ -1,0 +1,178 @@
+"""Noisy neighbours: what many busy users do to a bystander, beside the same figures on the same
+daemon while it is quiet, in one run (docs/performance.md, "Noisy neighbours").
+
+One daemon of its own, with the pool's limits set explicitly (max_per_user 4, max_total 32, so
+the reserve is 4) and the egress proxy allowed to reach a local source (bench/source.py):
+
+- pool: eight users each keeping six 60-s calls going (32 slots, 28 of them theirs), then four
+  newcomers' first calls, timed;
+- egress: eight sandboxes downloading from the source as fast as the policy lets them;
+- flood: four sandboxes opening refused CONNECTs in 24 loops each (refused by the policy
+  before any connect: the destination is a private address).
+
+For each, the bystander (a user with a warm sandbox of their own) pings and calls one after
+another; the daemon's CPU and the log's growth are read over the same window.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import daemon as d
+from bench.load import daemon_call_line, process_cpu
+from bench.source import Source
+from bench.stats import summarize
+from bench.wire import LineSocket
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = REPO / "tests" / "e2e" / "tools" / "egress_probe"  # its pump and flood modes
+PINGS, CALLS = 2000, 1000
+SCENARIO_S = 10.0
+
+
+def config(image: str, source_port: int) -> str:
+    return (f"pool:\n  max_per_user: 4\n  max_total: 32\n  acquire_timeout_ms: 120000\n"
+            f"egress:\n  allow: ['127.0.0.1:{source_port}']\nsandbox:\n  image: {image}\n")
+
+
+class _Background:
+    """Calls in threads, one connection each; ``close`` disconnects them (which cancels them)."""
+
+    def __init__(self, daemon: d.BenchDaemon) -> None:
+        self._daemon = daemon
+        self._conns: list[LineSocket] = []
+        self.answers: list[tuple[float, bytes]] = []  # (seconds, reply line) in the order they came
+
+    def call(self, user: str, name: str, arguments: dict[str, Any], timeout_ms: int = 120_000) -> None:
+        conn = LineSocket(str(self._daemon.socket), timeout=None)
+        self._conns.append(conn)
+        params = {"user": user, "name": name, "arguments": arguments, "timeoutMs": timeout_ms}
+        line = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}).encode() + b"\n"
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                conn.send(line)
+                reply = conn.read_line()
+            except OSError:
+                return
+            self.answers.append((time.perf_counter() - started, reply))
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+
+
+def _bystander(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
+    """Pings, then warm calls, one after another, and what the daemon spent meanwhile."""
+    conn = daemon.connect()
+    try:
+        cpu0, log0, wall0 = process_cpu(daemon.pid), daemon.log_path.stat().st_size, time.monotonic()
+        ping = d.sequential_calls(conn, b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\n', PINGS)
+        calls = d.sequential_calls(conn, daemon_call_line(user), CALLS, first_id=10_000)
+        wall = time.monotonic() - wall0
+        return {"ping": summarize(ping), "call": summarize(calls), "seconds": round(wall, 1),
+                "daemon_cores": (process_cpu(daemon.pid) - cpu0) / wall,
+                "log_kib_per_s": (daemon.log_path.stat().st_size - log0) / 1024 / wall}
+    finally:
+        conn.close()
+
+
+def _wait(daemon: d.BenchDaemon, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate(daemon.status()["pool"]):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not happen within {timeout:g} s: {daemon.status()['pool']['totals']}")
+
+
+def _held(pool: dict[str, Any], users: list[str], state: str = "busy") -> int:
+    return sum(pool["users"].get(u, {}).get(state, 0) for u in users)
+
+
+def pool_at_its_limit(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dict[str, Any]:
+    heavy = [f"heavy{i}-{run_id}@bench.example" for i in range(8)]
+    background = _Background(daemon)
+    try:
+        for user in heavy:
+            for _ in range(6):
+                background.call(user, "sleeper", {"ms": 60_000})
+        _wait(daemon, lambda p: _held(p, heavy) >= 27 and p["totals"]["starting"] == 0, 120, "eight users filling the pool")
+        newcomers = _Background(daemon)
+        for i in range(4):
+            newcomers.call(f"new{i}-{run_id}@bench.example", "hello", {"name": "newcomer"})
+        deadline = time.monotonic() + 30
+        while len(newcomers.answers) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        newcomers.close()
+        first_calls = [seconds for seconds, line in newcomers.answers if b'"status":"ok"' in line]
+        out = _bystander(daemon, bystander)
+        pool = daemon.status()["pool"]
+        out |= {"newcomer_first_call_s": sorted(round(s, 2) for s in first_calls), "newcomers_served": len(first_calls),
+                "heavy_holding": _held(pool, heavy, "holding"), "killed": pool["counters"]["killed"]}
+        return out
+    finally:
+        background.close()
+
+
+def egress_pumping(daemon: d.BenchDaemon, run_id: str, bystander: str, source: Source) -> dict[str, Any]:
+    pumpers = [f"pump{i}-{run_id}@bench.example" for i in range(8)]
+    background = _Background(daemon)
+    try:
+        for user in pumpers:
+            background.call(user, "egress_probe", {"mode": "pump", "url": source.url, "seconds": 60})
+        _wait(daemon, lambda p: _held(p, pumpers) == 8, 60, "eight downloads starting")
+        time.sleep(2)  # past each sandbox's first second's burst
+        sent0, at0 = source.sent, time.monotonic()
+        out = _bystander(daemon, bystander)
+        out["egress_mib_s"] = (source.sent - sent0) / (1 << 20) / (time.monotonic() - at0)
+        return out
+    finally:
+        background.close()
+
+
+def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dict[str, Any]:
+    flooders = [f"flood{i}-{run_id}@bench.example" for i in range(4)]
+    background = _Background(daemon)
+    try:
+        for user in flooders:  # a warm sandbox each first, so the flood starts at once
+            background.call(user, "egress_probe", {"mode": "routes"})
+        _wait(daemon, lambda p: _held(p, flooders, "idle") >= 4, 60, "four sandboxes warm")
+        for user in flooders:
+            background.call(user, "egress_probe", {"mode": "flood", "request": "CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n",
+                                                   "port": 24, "seconds": 60})
+        time.sleep(1)
+        return _bystander(daemon, bystander)
+    finally:
+        background.close()
+
+
+def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
+    bystander = f"bystander-{run_id}@bench.example"
+    with Source() as source:
+        daemon = d.BenchDaemon(root, config(image, source.port), fresh_tools=0)
+        shutil.copytree(PROBE, daemon.data / "tools" / PROBE.name)
+        shutil.copytree(REPO / "tests" / "e2e" / "tools" / "sleeper", daemon.data / "tools" / "sleeper")
+        daemon.start()
+        out: dict[str, Any] = {"pings": PINGS, "calls": CALLS}
+        try:
+            conn = daemon.connect()
+            d.sequential_calls(conn, daemon_call_line(bystander), 500)  # its sandbox warm, hello loaded
+            conn.close()
+            for name, scenario in (("pool", lambda: pool_at_its_limit(daemon, run_id, bystander)),
+                                   ("egress", lambda: egress_pumping(daemon, run_id, bystander, source)),
+                                   ("flood", lambda: refused_flood(daemon, run_id, bystander))):
+                daemon.settle(timeout=120)
+                out[f"{name}_quiet"] = _bystander(daemon, bystander)
+                out[name] = scenario()
+        finally:
+            daemon.stop(timeout=120)
+    return out
