@@ -71,18 +71,22 @@ class _Background:
 
 
 def _bystander(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
-    """Pings, then warm calls, one after another, and what the daemon spent meanwhile."""
+    """What the daemon spends, and how fast its log grows, with only the neighbours running (or
+    nothing, quiet); then the bystander's pings and warm calls one after another."""
+    log0, wall0, cpu0 = daemon.log_path.stat().st_size, time.monotonic(), process_cpu(daemon.pid)
+    time.sleep(3.0)
+    wall = time.monotonic() - wall0
+    alone, log_kib_per_s = (process_cpu(daemon.pid) - cpu0) / wall, (daemon.log_path.stat().st_size - log0) / 1024 / wall
     conn = daemon.connect()
     try:
-        cpu0, log0, wall0 = process_cpu(daemon.pid), daemon.log_path.stat().st_size, time.monotonic()
         ping = d.sequential_calls(conn, b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\n', PINGS)
+        cpu0 = process_cpu(daemon.pid)
         calls = d.sequential_calls(conn, daemon_call_line(user), CALLS, first_id=10_000)
-        wall = time.monotonic() - wall0
-        return {"ping": summarize(ping), "call": summarize(calls), "seconds": round(wall, 1),
-                "daemon_cores": (process_cpu(daemon.pid) - cpu0) / wall,
-                "log_kib_per_s": (daemon.log_path.stat().st_size - log0) / 1024 / wall}
+        call_cpu_us = 1e6 * (process_cpu(daemon.pid) - cpu0) / CALLS
     finally:
         conn.close()
+    return {"ping": summarize(ping), "call": {**summarize(calls), "daemon_cpu_us_per_call": call_cpu_us},
+            "daemon_cores": alone, "log_kib_per_s": log_kib_per_s}
 
 
 def _wait(daemon: d.BenchDaemon, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> None:
