@@ -171,8 +171,9 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{row.get('stopping', 0)} stopping, {row['waiting']} queued")
     sharing, refusals = pool.get("sharing"), pool.get("refusals") or {}
     if sharing:
-        lines.append(f"sharing: {sharing['activeUsers']} users active, a fair share of {sharing['fairShare']} "
-                     f"sandboxes each, the last {sharing['reserve']} kept for first calls; refused for want of a "
+        lines.append(f"sharing: {count(sharing['activeUsers'], 'user')} active, a fair share of "
+                     f"{count(sharing['fairShare'], 'sandbox', 'sandboxes')} each, the last {sharing['reserve']} kept "
+                     "for first calls; refused for want of a "
                      f"sandbox: {refusals.get('user_limit', 0)} at the user's limit, {refusals.get('reserve', 0)} "
                      f"by the reserve, {refusals.get('pool_full', 0)} with the pool full")
     if counters:

@@ -536,11 +536,15 @@ def test_status_counts_agree_in_number() -> None:
 
     def status(n: int) -> dict[str, Any]:
         totals = {"idle": 0, "busy": n, "starting": 0, "stopping": 0, "waiting": n}
+        sharing = {"reserve": 4, "activeUsers": n, "fairShare": n}
         return {"version": "0.4.0", "backend": "docker", "transport": "socket", "uptimeS": 1.0, "connections": n,
-                "callsInFlight": n, "calls": {}, "pool": {"totals": totals, "users": {}, "counters": {}},
+                "callsInFlight": n, "calls": {}, "pool": {"totals": totals, "users": {}, "counters": {},
+                                                        "sharing": sharing, "refusals": {"reserve": n}},
                 "limits": {"maxPerUser": n, "maxTotal": 32, "minIdle": 1, "idleTtlS": 300.0,
                            "defaultTimeoutMs": 30000, "maxTimeoutMs": 600000}}
 
     one, two = format_status(status(1)), format_status(status(2))
     assert "1 connection, 1 call in flight" in one and "; 1 call queued" in one and "1 sandbox per user" in one, one
     assert "2 connections, 2 calls in flight" in two and "; 2 calls queued" in two and "2 sandboxes per user" in two
+    assert "sharing: 1 user active, a fair share of 1 sandbox each, the last 4 kept for first calls" in one, one
+    assert "sharing: 2 users active, a fair share of 2 sandboxes each" in two and "2 by the reserve" in two, two
