@@ -110,6 +110,7 @@ class LogBudget:
         self._buckets: dict[tuple[str, str], list[float]] = {}  # source → [tokens, when]
         self._total = [burst * self.TOTAL_SOURCES, clock()]
         self._dropped: dict[tuple[str, str, str], int] = {}  # (kind, who, event) → lines dropped
+        self.dropped_by_kind: dict[str, int] = {}  # since start, for the metrics
         self._since = clock()
 
     def admit(self, kind_who: tuple[str, str], event: str) -> bool:
@@ -124,6 +125,7 @@ class LogBudget:
             return True
         key = (*kind_who, event)
         self._dropped[key] = self._dropped.get(key, 0) + 1
+        self.dropped_by_kind[kind_who[0]] = self.dropped_by_kind.get(kind_who[0], 0) + 1
         return False
 
     def summary(self) -> dict[str, Any] | None:
@@ -162,6 +164,11 @@ def _take(bucket: list[float], now: float, rate: float, burst: float) -> bool:
 
 
 _budget = LogBudget(rate=10, burst=100)
+
+
+def lines_dropped() -> dict[str, int]:
+    """Log lines the budgets dropped since start, by source kind (sandbox, user, peer, ...)."""
+    return dict(_budget.dropped_by_kind)
 
 
 def set_log_budget(rate: float, burst: float) -> None:

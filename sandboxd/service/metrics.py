@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from sandboxd import __version__
 from sandboxd.config import parse_listen_address
-from sandboxd.logging import get_logger
+from sandboxd.logging import get_logger, lines_dropped
 from sandboxd.unixsocket import bind_unix_socket
 
 if TYPE_CHECKING:
@@ -55,17 +55,19 @@ class _ServerCollector:
             sandboxes.add_metric([state], status["totals"][state])
         yield sandboxes
         yield GaugeMetricFamily("sandboxd_calls_queued", "Calls waiting for a sandbox.", value=status["totals"]["waiting"])
-        # Per user, only for users holding or waiting now: the series are as many as the active users.
-        holding = GaugeMetricFamily("sandboxd_user_sandboxes_holding", "Sandboxes a user holds for calls (busy or "
-                                    "starting), for each user holding or waiting.", labels=["user"])
-        waiting = GaugeMetricFamily("sandboxd_user_calls_queued", "Calls of a user waiting for a sandbox, for each "
-                                    "user holding or waiting.", labels=["user"])
-        for user, row in sorted(status["users"].items()):
-            if row["holding"] or row["waiting"]:
-                holding.add_metric([user], row["holding"])
-                waiting.add_metric([user], row["waiting"])
-        yield holding
-        yield waiting
+        # How the pool is shared, without users as a label (unbounded: a client can name endless
+        # users, each one waiting; and personal): sandbox/status has the per-user rows.
+        rows = status["users"].values()
+        users = GaugeMetricFamily("sandboxd_pool_users", "Users holding sandboxes for calls (busy or starting), "
+                                  "and users with calls waiting for one.", labels=["state"])
+        users.add_metric(["holding"], sum(1 for row in rows if row["holding"]))
+        users.add_metric(["waiting"], sum(1 for row in rows if row["waiting"]))
+        yield users
+        most = GaugeMetricFamily("sandboxd_pool_user_most", "The most any one user holds (busy or starting), and the "
+                                 "most calls any one user has waiting.", labels=["state"])
+        most.add_metric(["holding"], max((row["holding"] for row in rows), default=0))
+        most.add_metric(["waiting"], max((row["waiting"] for row in rows), default=0))
+        yield most
         refusals = CounterMetricFamily("sandboxd_pool_refusals", "Calls refused because no sandbox became free "
                                        "within pool.acquire_timeout_ms, by reason: user_limit (the user's "
                                        "max_per_user), reserve (kept for first calls), pool_full.", labels=["reason"])
@@ -88,6 +90,12 @@ class _ServerCollector:
         for (decision, reason), count in sorted(server.egress.decisions.items()):
             egress.add_metric([decision, reason], count)
         yield egress
+        dropped = CounterMetricFamily("sandboxd_log_lines_dropped", "Log lines over their source's budget (log_rate, "
+                                      "log_burst), by the kind of source: sandbox, user, peer, method, calls.",
+                                      labels=["source"])
+        for kind, count in sorted(lines_dropped().items()):
+            dropped.add_metric([kind], count)
+        yield dropped
         yield CounterMetricFamily("sandboxd_orphans_reaped", "Containers left by an earlier run, removed at start-up.",
                                   value=server.orphans_reaped)
         info = GaugeMetricFamily("sandboxd_build_info", "Always 1; the labels say what runs.", labels=["version", "backend"])

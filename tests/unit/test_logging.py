@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from sandboxd.logging import LogBudget, configure_logging, get_logger, log_dropped_summary, secret_values, set_log_budget, source
+from sandboxd.logging import (LogBudget, configure_logging, get_logger, lines_dropped, log_dropped_summary, secret_values,
+                              set_log_budget, source)
 
 
 def test_secrets_are_masked_wherever_they_appear() -> None:
@@ -85,5 +86,6 @@ def test_lines_over_budget_are_never_rendered_and_the_budget_key_never_is() -> N
         (summary,) = [json.loads(line) for line in stream.getvalue().splitlines()][4:]
         assert summary["event"] == "log_lines_dropped" and summary["dropped"] == 47
         assert summary["by_source"][0] == {"source": "sandbox", "who": "s1", "event": "egress", "dropped": 47}
+        assert lines_dropped()["sandbox"] >= 47  # the metrics' count, since start
     finally:
         set_log_budget(rate=10, burst=100)

@@ -119,14 +119,16 @@ def test_rejected_calls_are_counted_with_their_reason(tmp_path: Path) -> None:
         assert reply["error"]["code"] == -32001
         assert reply["error"]["data"]["reason"] == "user_limit"
         values = samples(server.metrics.render()[0].decode())  # while the first call still holds its sandbox
-        assert values[("sandboxd_user_sandboxes_holding", (("user", USER),))] == 1
-        assert values[("sandboxd_user_calls_queued", (("user", USER),))] == 0
+        assert values[("sandboxd_pool_users", (("state", "holding"),))] == 1
+        assert values[("sandboxd_pool_users", (("state", "waiting"),))] == 0
+        assert values[("sandboxd_pool_user_most", (("state", "holding"),))] == 1
         await first
         values = samples(server.metrics.render()[0].decode())
         assert values[("sandboxd_calls_total", (("status", "overloaded"), ("tool", "hello")))] == 1
         assert values[("sandboxd_pool_refusals_total", (("reason", "user_limit"),))] == 1
         assert values[("sandboxd_pool_refusals_total", (("reason", "pool_full"),))] == 0
-        assert ("sandboxd_user_sandboxes_holding", (("user", USER),)) not in values  # idle now: no series
+        assert values[("sandboxd_pool_users", (("state", "holding"),))] == 0  # idle now
+        assert not [name for name, labels in values if "user" in dict(labels)]  # users are never a label
         assert server.status()["calls"]["overloaded"] == 1
         assert server.status()["pool"]["refusals"]["user_limit"] == 1
 
