@@ -71,8 +71,8 @@ class Edge(Protocol):
 
     def closed(self, connection: Connection) -> None: ...
 
-    def methods(self, calls: ConnectionCalls) -> Mapping[str, Method]:
-        """The JSON-RPC methods of a connection whose calls are ``calls``."""
+    def methods(self, connection: Connection) -> Mapping[str, Method]:
+        """The JSON-RPC methods of ``connection`` (its calls are ``connection.calls``)."""
 
 
 class Connection(asyncio.Protocol):
@@ -81,7 +81,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._lines = LineBuffer(edge.max_message_bytes)
         self.calls = ConnectionCalls(edge.calls, self.send)
-        self._rpc = Dispatcher(self.send, edge.methods(self.calls), {"notifications/cancelled": self.calls.cancel})
+        self._rpc = Dispatcher(self.send, edge.methods(self), {"notifications/cancelled": self.calls.cancel})
         self.closed = False
         self._paused: set[str] = set()  # why reading is paused: "writing" (the client reads no more), "turn"
         self._next_turn: asyncio.Handle | None = None

@@ -23,10 +23,11 @@ from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
-from sandboxd.server.calls import CallContext, CallRunner, Calls, ConnectionCalls
+from sandboxd.server.calls import CallContext, CallRunner, Calls
 from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Method
+from sandboxd.server.watch import ToolWatch
 from sandboxd.service import systemd
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.peercred import PeerPolicy
@@ -83,9 +84,11 @@ class Server:
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.calls_in_flight: set[CallContext] = self.calls.in_flight
+        self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
         self.started_at = time.monotonic()
         self._listener: asyncio.AbstractServer | None = None
         self._maintenance: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._transpile_start: asyncio.Task[None] | None = None
         self._orphans_removed = False
         self._orphan_warning_logged = False
@@ -131,6 +134,7 @@ class Server:
         sock = listen_socket or self._bind_socket()
         self._listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock)
         self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        self._watching = asyncio.get_running_loop().create_task(self.watch.run())
         address = sock.getsockname() or "(unnamed)"
         if address != str(cfg.socket):
             # Clients (and `sandboxd status`) look for `socket`; a mismatch means they will not find us.
@@ -295,9 +299,11 @@ class Server:
 
     def closed(self, connection: Connection) -> None:
         self.connections.discard(connection)
+        self.watch.forget(connection)
 
-    def methods(self, calls: ConnectionCalls) -> Mapping[str, Method]:
-        return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools, "tools/call": calls.start,
+    def methods(self, connection: Connection) -> Mapping[str, Method]:
+        return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools, "tools/call": connection.calls.start,
+                "tools/watch": lambda _id, params: self.watch.watch(connection, connection.send, params),
                 "sandbox/status": lambda _id, _params: self.status()}
 
     def _list_tools(self, _id: Any, params: Any) -> Awaitable[dict[str, Any]]:
@@ -371,6 +377,8 @@ class Server:
         await self.metrics.close()
         if self._maintenance is not None:
             self._maintenance.cancel()
+        if self._watching is not None:
+            self._watching.cancel()
         # 2. Let calls in flight finish, up to the grace period.
         deadline = time.monotonic() + grace
         while self.calls_in_flight and time.monotonic() < deadline:

@@ -356,6 +356,18 @@ class ToolCatalog:
     async def list_async(self, user: str | None = None) -> list[Tool]:
         return (await self.scan_async(user))[0]
 
+    def roots(self, user: str | None) -> list[tuple[Path, Source]]:
+        """The tools roots a user's listing reads: the global one, then the user's own."""
+        return list(self._roots(user))
+
+    def fingerprint(self, root: Path, source: Source) -> Any:
+        """What a scan of ``root`` would depend on, by stat calls only (nothing is parsed).
+
+        Equal to an earlier one unless a tool was added, removed or edited since: tools/watch
+        compares them. Runs on the calling thread; the daemon calls it from a worker.
+        """
+        return _Fingerprint.take(str(root), self._root_entries(root, source)[0])
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
