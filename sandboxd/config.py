@@ -56,7 +56,7 @@ BRIDGE_NETWORK = "sandboxd"
 
 # Settings that weaken the sandbox start only when `allow_unsafe` names them (docs/config.md).
 UnsafeName = Literal["host_network", "shared_network", "direct_network", "cap_add", "writable_root", "host_uid",
-                     "unsandboxed"]
+                     "unsandboxed", "mcp_http_remote"]
 UNSAFE_NAMES: tuple[str, ...] = UnsafeName.__args__  # type: ignore[attr-defined]
 
 
@@ -288,7 +288,7 @@ class Config(_Section):
     allowed_uids: list[int] = Field(default_factory=list, description="Users (uid or name) whose connections are served, besides root and the daemon's own user; both lists empty = anyone who can open the socket.")
     allowed_gids: list[int] = Field(default_factory=list, description="Groups (gid or name) whose members' connections are served (primary or supplementary group).")
     backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend; process runs tools UNSANDBOXED (serve needs allow_unsafe: [unsandboxed]).")
-    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed.")
+    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed, mcp_http_remote.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
@@ -461,8 +461,9 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         path = names.get(env_name)
         if path is None:
-            # SANDBOXD_CONFIG names the file itself; everything else must be a key.
-            if env_name == "SANDBOXD_CONFIG":
+            # SANDBOXD_CONFIG names the file itself, SANDBOXD_MCP_TOKEN is `sandboxd mcp --http`'s
+            # secret (never a config key: it must not sit in a file); everything else must be a key.
+            if env_name in ("SANDBOXD_CONFIG", "SANDBOXD_MCP_TOKEN"):
                 continue
             raise ConfigError(f"{env_name} is not a configuration key; see docs/config.md for the names.")
         # YAML parsing gives lists, numbers and booleans their natural spelling;

@@ -41,7 +41,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sandboxd.cli import client_cmds, dev_cmds, serve_cmds, tools_cmds
+    from sandboxd.cli import client_cmds, dev_cmds, mcp_cmds, serve_cmds, tools_cmds
 
     parser = argparse.ArgumentParser(
         prog="sandboxd",
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sandboxd {__version__} (runner image {RUNNER_IMAGE})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parent = common_parent()
-    for module in (serve_cmds, client_cmds, tools_cmds, dev_cmds):
+    for module in (serve_cmds, client_cmds, mcp_cmds, tools_cmds, dev_cmds):
         module.add_commands(subparsers, parent)
     return parser
 

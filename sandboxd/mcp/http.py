@@ -1,0 +1,120 @@
+"""Streamable HTTP (path /mcp) for hosts that do not run `sandboxd mcp` themselves.
+
+Every request needs ``Authorization: Bearer $SANDBOXD_MCP_TOKEN`` (else 401; compared in
+constant time) and, when it carries an ``Origin``, one this server serves (else 403, as the
+MCP spec asks against DNS rebinding): its own loopback origins and those named with
+``--allow-origin`` (a TLS proxy's public origin). It listens on a loopback address unless
+``allow_unsafe`` names ``mcp_http_remote``: anything further is a TLS proxy's job.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sandboxd.errors import ConfigError
+
+PATH = "/mcp"
+TOKEN_ENV = "SANDBOXD_MCP_TOKEN"
+MIN_TOKEN_CHARS = 32
+REMOTE = "mcp_http_remote"
+
+
+def parse_address(value: str, allow_unsafe: Iterable[str] = ()) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``localhost`` for 127.0.0.1) → (address, port); ConfigError naming the fix."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"--http {value!r} is not HOST:PORT; e.g. --http 127.0.0.1:8765")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        host = "127.0.0.1"
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"--http {value!r}: {port_text!r} is not a port (1-65535)")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"--http {value!r}: {host!r} is not an IP address; e.g. --http 127.0.0.1:8765") from None
+    if not address.is_loopback and REMOTE not in allow_unsafe:
+        raise ConfigError(
+            f"--http {value!r} is not a loopback address: anyone who can reach it could try the token, and it "
+            "speaks plain HTTP. Listen on 127.0.0.1 behind a TLS proxy (docs/mcp.md), or set "
+            f"allow_unsafe: [{REMOTE}] to accept it.")
+    return str(address), int(port_text)
+
+
+def token_from(environ: Mapping[str, str]) -> bytes:
+    token = environ.get(TOKEN_ENV, "").strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        what = "is not set" if not token else f"has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}"
+        raise ConfigError(f"--http needs a bearer token in ${TOKEN_ENV}, which {what}; make one with "
+                          f"`export {TOKEN_ENV}=$(openssl rand -hex 32)` and give hosts the same value.")
+    return token.encode()
+
+
+def authorized(header: str | None, token: bytes) -> bool:
+    """Whether an Authorization header carries ``Bearer <token>``, compared in constant time."""
+    scheme, _, credential = (header or "").partition(" ")
+    return hmac.compare_digest(credential.strip().encode(), token) and scheme.lower() == "bearer"
+
+
+def own_origins(host: str, port: int, extra: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+    """(origins, Host header values) this server answers: its own address and ``extra`` origins."""
+    names = {"127.0.0.1", "localhost", "[::1]"} if ipaddress.ip_address(host).is_loopback else set()
+    names.add(f"[{host}]" if ":" in host else host)
+    hosts = {f"{name}:{port}" for name in names}
+    origins = {f"http://{value}" for value in hosts}
+    for origin in extra:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/"):
+            raise ConfigError(f"--allow-origin {origin!r} is not an origin like https://mcp.example.com")
+        origins.add(f"{parts.scheme}://{parts.netloc}")
+        hosts.add(parts.netloc)
+    return origins, hosts
+
+
+class Guard:
+    """ASGI middleware in front of the SDK's app: the token first, then the Origin."""
+
+    def __init__(self, app: ASGIApp, token: bytes, origins: set[str]) -> None:
+        self.app, self.token, self.origins = app, token, origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            if not authorized(headers.get("authorization"), self.token):
+                return await _refuse(send, 401, f"a valid 'Authorization: Bearer <token>' header is needed (${TOKEN_ENV}).",
+                                     ((b"www-authenticate", b'Bearer realm="sandboxd"'),))
+            origin = headers.get("origin")
+            if origin is not None and origin not in self.origins:
+                return await _refuse(send, 403, f"Origin {origin[:200]!r} is not one this server serves; "
+                                                "name it with --allow-origin if it should be.")
+        elif scope["type"] != "lifespan":
+            return  # websockets: not served
+        await self.app(scope, receive, send)
+
+
+async def _refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def app(server: Any, *, host: str, port: int, token: bytes, extra_origins: Iterable[str], max_body: int) -> ASGIApp:
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    origins, hosts = own_origins(host, port, extra_origins)
+    inner = server.streamable_http_app(
+        streamable_http_path=PATH, max_request_body_size=max_body, host=host,
+        # The SDK checks Host (DNS rebinding) and Origin again behind the Guard.
+        transport_security=TransportSecuritySettings(allowed_hosts=sorted(hosts), allowed_origins=sorted(origins)),
+    )
+    return Guard(inner, token, origins)
