@@ -85,7 +85,10 @@ def _key(request_id: Any) -> Any:
 def decode(line: bytes) -> types.JSONRPCMessage | dict[str, Any]:
     """The message on ``line``, or the JSON-RPC error that answers it when it is not one."""
     try:
-        return types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+        parsed = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+        # A request whose id is no id would pass as a notification, and go unanswered.
+        if not isinstance(parsed, types.JSONRPCNotification) or b'"id"' not in line or "id" not in json.loads(line):
+            return parsed
     except ValueError:
         pass
     try:
