@@ -1,0 +1,164 @@
+"""The pure parts of `sandboxd mcp`: conversions, the stdio line decoder, the HTTP guard and its settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from sandboxd.client import RpcError
+from sandboxd.errors import ConfigError
+from sandboxd.mcp.convert import call_result, content_blocks, is_tool_error, mcp_tool, progress_message
+from sandboxd.mcp.http import MIN_TOKEN_CHARS, Guard, authorized, own_origins, parse_address, token_from
+from sandboxd.mcp.stdio import InFlight, decode
+
+TOKEN = b"k" * MIN_TOKEN_CHARS
+
+
+def test_a_tool_reads_as_its_tool_md_says() -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    tool = mcp_tool({"name": "hello", "label": "Hello", "description": "Says hello.", "inputSchema": schema,
+                     "documentation": "\n# Hello Tool\nCall it with a name.\n"})
+    assert (tool.name, tool.title, tool.input_schema) == ("hello", "Hello", schema)
+    assert tool.description == "Says hello.\n\n# Hello Tool\nCall it with a name."
+    bare = mcp_tool({"name": "x", "label": "", "description": "Only this.", "inputSchema": schema, "documentation": ""})
+    assert (bare.title, bare.description) == (None, "Only this.")
+
+
+def test_results_keep_content_and_is_error_and_say_the_status() -> None:
+    ok = call_result({"content": [{"type": "text", "text": "hi"}, {"type": "image", "data": "aGk=", "mimeType": "image/png"}],
+                      "isError": False, "status": "ok", "durationMs": 3})
+    dumped = ok.model_dump(by_alias=True, mode="json", exclude_none=True)
+    assert dumped["content"] == [{"type": "text", "text": "hi"}, {"type": "image", "data": "aGk=", "mimeType": "image/png"}]
+    assert dumped["isError"] is False and dumped["_meta"] == {"sandboxd/status": "ok", "sandboxd/durationMs": 3}
+    # isError as the tool returned it, even with status ok
+    assert call_result({"content": [], "isError": True, "status": "error", "durationMs": 1}).is_error
+    assert call_result({"content": [], "status": "timeout"}).is_error
+
+
+def test_a_content_block_mcp_cannot_carry_is_named_not_fatal() -> None:
+    blocks = content_blocks([{"type": "text", "text": "kept"}, {"type": "hologram", "beam": 1}, "a string", {"type": "image"}])
+    texts = [block.text for block in blocks]
+    assert texts[0] == "kept"
+    assert "hologram content block" in texts[1] and "str content block" in texts[2] and "image content block" in texts[3]
+    assert content_blocks("not a list") == []
+
+
+def test_which_daemon_errors_are_the_models_to_act_on() -> None:
+    violations = RpcError(-32602, "invalid arguments", [{"path": "/name", "message": "required"}])
+    assert is_tool_error(violations)
+    assert not is_tool_error(RpcError(-32602, "unknown tool 'x' for u@example.com"))
+    assert not is_tool_error(RpcError(-32602, "forbidden env", {"names": ["X"]}))
+    assert is_tool_error(RpcError(-32001, "overloaded")) and is_tool_error(RpcError(-32002, "Docker is down"))
+    assert not is_tool_error(RpcError(-32603, "internal"))
+
+
+def test_progress_is_the_count_and_the_text_of_the_update() -> None:
+    assert progress_message({"progressToken": 1, "progress": 2, "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "image", "data": ""},
+                                                                           {"type": "text", "text": "b"}]}) == (2.0, "a\nb")
+    assert progress_message({"progress": True, "content": "junk"}) == (0.0, None)
+
+
+@pytest.mark.parametrize("line, code, request_id", [
+    (b"nope", -32700, None),
+    (b"\xff", -32700, None),
+    (b"[" * 50_000, -32700, None),
+    (b'[{"jsonrpc":"2.0","id":1,"method":"ping"}]', -32600, None),
+    (b'{"jsonrpc":"2.0","id":5,"method":["x"]}', -32600, 5),
+    (b'{"jsonrpc":"2.0","id":true,"method":"ping"}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":null,"method":"ping"}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":{},"method":"ping"}', -32600, None),
+])
+def test_a_line_that_is_not_a_message_gets_its_error(line: bytes, code: int, request_id: Any) -> None:
+    answer = decode(line)
+    assert isinstance(answer, dict) and (answer["error"]["code"], answer["id"]) == (code, request_id)
+
+
+def test_messages_decode_as_the_sdk_reads_them() -> None:
+    assert type(decode(b'{"jsonrpc":"2.0","id":"a","method":"ping"}')).__name__ == "JSONRPCRequest"
+    note = decode(b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":"id"}}')
+    assert type(note).__name__ == "JSONRPCNotification"
+
+
+def test_reading_waits_while_the_limit_of_requests_is_unanswered() -> None:
+    async def scenario() -> None:
+        gate = InFlight(2)
+        gate.add(1)
+        gate.add("1")  # a string id is another id
+        waiting = asyncio.ensure_future(gate.room())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        gate.done(1)
+        await asyncio.wait_for(waiting, 1)
+        gate.done("never seen")  # an unknown id changes nothing
+        gate.add(2)
+        assert not asyncio.ensure_future(gate.room()).done()
+
+    asyncio.run(scenario())
+
+
+def test_the_listen_address_is_loopback_unless_allowed() -> None:
+    assert parse_address("127.0.0.1:8765") == ("127.0.0.1", 8765)
+    assert parse_address("localhost:1") == ("127.0.0.1", 1)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    for bad, says in (("8765", "not HOST:PORT"), ("127.0.0.1:0", "not a port"), ("127.0.0.1:99999", "not a port"),
+                      ("example.com:80", "not an IP address"), ("0.0.0.0:80", "mcp_http_remote"),
+                      ("[::]:80", "not a loopback address"), ("192.168.1.4:80", "TLS proxy")):
+        with pytest.raises(ConfigError, match=says):
+            parse_address(bad)
+    assert parse_address("0.0.0.0:80", ["mcp_http_remote"]) == ("0.0.0.0", 80)
+
+
+def test_the_token_is_required_long_and_compared_whole() -> None:
+    with pytest.raises(ConfigError, match="is not set"):
+        token_from({})
+    with pytest.raises(ConfigError, match="fewer than"):
+        token_from({"SANDBOXD_MCP_TOKEN": "short"})
+    assert token_from({"SANDBOXD_MCP_TOKEN": f"  {TOKEN.decode()}\n"}) == TOKEN
+    assert authorized(f"Bearer {TOKEN.decode()}", TOKEN) and authorized(f"bearer  {TOKEN.decode()}", TOKEN)
+    for header in (None, "", "Bearer", f"Basic {TOKEN.decode()}", f"Bearer {TOKEN.decode()}x",
+                   f"Bearer {TOKEN.decode()[:-1]}", f"Bearer {TOKEN.decode()[:-1]}é", TOKEN.decode()):
+        assert not authorized(header, TOKEN), header
+
+
+def test_the_origins_served_are_the_servers_own_and_those_named() -> None:
+    origins, hosts = own_origins("127.0.0.1", 8765, ["https://mcp.example.com"])
+    assert origins == {"http://127.0.0.1:8765", "http://localhost:8765", "http://[::1]:8765", "https://mcp.example.com"}
+    assert hosts == {"127.0.0.1:8765", "localhost:8765", "[::1]:8765", "mcp.example.com"}
+    for bad in ("mcp.example.com", "ftp://x", "https://x/path"):
+        with pytest.raises(ConfigError, match="is not an origin"):
+            own_origins("127.0.0.1", 1, [bad])
+
+
+def guarded(headers: list[tuple[bytes, bytes]], scope_type: str = "http") -> tuple[list[dict[str, Any]], bool]:
+    reached = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope)
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    guard = Guard(app, TOKEN, {"http://127.0.0.1:1"})
+    asyncio.run(guard({"type": scope_type, "headers": headers, "method": "POST", "path": "/mcp"}, receive, send))
+    return sent, bool(reached)
+
+
+def test_the_guard_lets_through_only_the_token_and_the_servers_origins() -> None:
+    auth = (b"authorization", b"Bearer " + TOKEN)
+    assert guarded([auth]) == ([], True)
+    assert guarded([auth, (b"origin", b"http://127.0.0.1:1")]) == ([], True)
+    for headers, status in (([], 401), ([(b"authorization", b"Bearer nope")], 401),
+                            ([auth, (b"origin", b"http://evil.example")], 403)):
+        sent, reached = guarded(headers)
+        assert not reached and sent[0]["status"] == status
+        assert json.loads(sent[1]["body"])["error"]["code"] == -32600
+    assert guarded([auth], "websocket") == ([], False)
