@@ -11,7 +11,7 @@ help:
 	@echo "make test    every test: unit, shim (node --test) and end-to-end against real Docker"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
-	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension (clients/)"
+	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension, and the MCP hosts' clients for the tests (clients/)"
 	@echo "make shim-deps  the shim's esbuild, for \`sandboxd run --backend process\` without Docker"
 	@echo "make install (as root) install the daemon as a systemd service; see docs/install.md"
 
@@ -66,10 +66,11 @@ clients/pi/dist/index.js: clients/pi/node_modules/.package-lock.json clients/pi/
 	@echo "clients: building @sandboxd/pi (tsc) into clients/pi/dist"
 	@cd clients/pi && npm run --silent build
 
-clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js)
+# clients/mcp-hosts: no build, only the MCP clients hosts use (the TypeScript SDK, pi-mcp-adapter), pinned.
+clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js) clients/mcp-hosts/node_modules/.package-lock.json
 
 # Against a real daemon (the repo's .venv) and Docker, like test-e2e.
-CLIENT_TESTS = cd clients/typescript && npm test && cd ../pi && npm test
+CLIENT_TESTS = cd clients/typescript && npm test && cd ../pi && npm test && cd ../mcp-hosts && npm test
 test-clients: setup image clients
 	$(CLIENT_TESTS)
 
