@@ -144,3 +144,15 @@ def test_a_non_loopback_address_is_refused_unless_allow_unsafe_names_it(make_dae
     missing = subprocess.run(mcp_command(daemon, "--http", f"127.0.0.1:{free_port()}"), capture_output=True,
                              env=server_env(), timeout=30)
     assert missing.returncode == 2 and "is not set" in missing.stderr.decode()
+
+
+def test_a_body_over_max_message_bytes_is_refused_unread(make_daemon: Any) -> None:
+    daemon = make_daemon(FAST + "max_message_bytes: 65536\n")
+    server = HttpServer(daemon)
+    try:
+        call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "hello", "arguments": {"name": "x" * 100_000}}}
+        refused = post(server.url, {"Authorization": f"Bearer {TOKEN}"}, call)
+        assert refused.status_code == 413, refused.text
+        assert post(server.url, {"Authorization": f"Bearer {TOKEN}"}).status_code == 200  # still serving
+    finally:
+        server.stop()
