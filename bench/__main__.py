@@ -32,8 +32,8 @@ from bench.neighbours import noisy_neighbours
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
-SECTIONS = ("floors", "latency", "node", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill",
-            "density", "attach", "overhead", "neighbours")
+SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
+            "refill", "density", "attach", "overhead", "neighbours")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -146,6 +146,9 @@ def run_daemon(api: Any, cfg: SandboxConfig, root: Path, run_id: str, args: argp
         if "node" not in args.skip:
             say(f"warm hello latency through @sandboxd/client from Node ({args.calls} sequential calls)")
             out["node_warm"] = d.node_client_latency(daemon, user("warm"), args.calls, warmup=500)
+        if "mcp" not in args.skip:
+            say(f"warm hello latency through sandboxd mcp on stdio, beside our protocol ({args.calls // 2} calls each)")
+            out["mcp_stdio"] = d.mcp_stdio_latency(daemon, user("warm"), args.calls // 2, warmup=200)
         if "throughput" not in args.skip:
             out["throughput"] = []
             for n in args.clients:

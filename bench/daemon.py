@@ -260,6 +260,73 @@ def node_client_latency(daemon: BenchDaemon, user: str, count: int, warmup: int)
     return summarize(json.loads(done.stdout)["seconds"])
 
 
+MCP_HELLO = b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"hello","arguments":{"name":"World"}}}\n'
+
+
+def mcp_stdio_latency(daemon: BenchDaemon, user: str, count: int, warmup: int, rounds: int = 5) -> dict[str, Any]:
+    """The warm hello call through `sandboxd mcp` on stdio (pre-encoded MCP lines on its pipes, what
+    an MCP host's transport does) in rounds alternating with the same call in our protocol on the
+    daemon's socket, so that both share the machine's state; and the MCP server's CPU per call."""
+    proc = subprocess.Popen([sys.executable, "-m", "sandboxd", "mcp", "--user", user, "--socket", str(daemon.socket),
+                             "--config", str(daemon.config_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, cwd=REPO, env={k: v for k, v in os.environ.items()
+                                                                      if not k.startswith("SANDBOXD_")})
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def mcp_call(request_id: int) -> tuple[float, bytes]:
+        started = time.perf_counter()
+        stdin.write(MCP_HELLO % request_id)
+        stdin.flush()
+        line = stdout.readline()
+        return time.perf_counter() - started, line
+
+    conn = daemon.connect()
+    try:
+        stdin.write(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                    b'"capabilities":{},"clientInfo":{"name":"bench","version":"1"}}}\n'
+                    b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
+        stdin.flush()
+        if b'"serverInfo"' not in stdout.readline():
+            raise RuntimeError("sandboxd mcp did not answer initialize")
+        template = daemon_call_line(user)
+        for i in range(1, warmup + 1):
+            line = mcp_call(i)[1]
+            if b'"isError":false' not in line:
+                raise RuntimeError(f"a hello call through sandboxd mcp failed: {line[:400]!r}")
+        sequential_calls(conn, template, warmup, first_id=1)
+        daemon.settle()
+        chunk = max(1, count // rounds)
+        mcp_samples: list[float] = []
+        protocol_samples: list[float] = []
+        cpu_s = 0.0
+        next_id = warmup + 1
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                protocol_samples += sequential_calls(conn, template, chunk, first_id=next_id)
+                cpu0 = process_cpu(proc.pid)
+                for i in range(next_id, next_id + chunk):
+                    elapsed, line = mcp_call(i)
+                    if b'"result"' not in line:
+                        raise RuntimeError(f"call {i} through sandboxd mcp failed: {line[:400]!r}")
+                    mcp_samples.append(elapsed)
+                cpu_s += process_cpu(proc.pid) - cpu0
+                next_id += chunk
+        finally:
+            gc.enable()
+    finally:
+        conn.close()
+        stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {"mcp": {**summarize(mcp_samples), "server_cpu_us_per_call": 1e6 * cpu_s / len(mcp_samples)},
+            "protocol": summarize(protocol_samples)}
+
+
 def returning_user(daemon: BenchDaemon, user: str, samples: int, pause_s: float) -> dict[str, Any]:
     """The first call after a pause of a user whose sandbox is warm (called before, within the idle TTL)."""
     template = daemon_call_line(user)

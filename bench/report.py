@@ -87,6 +87,16 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             out.append(("… and its p99", _ms(node_warm.get("p99_ms")),
                         f"raw attach echo {_ms(attach.get('p99_ms'))}; Python client {_ms(warm.get('p99_ms'))}",
                         _x(ratio(node_warm.get("p99_ms"), attach.get("p99_ms"))), "", "—"))
+        mcp = d.get("mcp_stdio", {})
+        if mcp:
+            # What an MCP host sees: the same call through `sandboxd mcp` (stdio), beside our protocol in the same rounds.
+            through, direct = mcp["mcp"], mcp["protocol"]
+            out.append(("… the same call through `sandboxd mcp` on stdio (MCP), p50", _ms(through.get("p50_ms")),
+                        f"our protocol {_ms(direct.get('p50_ms'))}", _x(ratio(through.get("p50_ms"), direct.get("p50_ms"))),
+                        "", "—"))
+            out.append(("… and its p99", _ms(through.get("p99_ms")), f"our protocol {_ms(direct.get('p99_ms'))}",
+                        _x(ratio(through.get("p99_ms"), direct.get("p99_ms"))), "", "—"))
+            out.append(("`sandboxd mcp` CPU per warm call", f"{through['server_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
         shim = f.get("shim_attach", {})
         if shim:
             out.append(("… the same hello over a raw attach to the shim (no daemon), p50", _ms(shim.get("p50_ms")),

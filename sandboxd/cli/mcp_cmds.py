@@ -58,8 +58,11 @@ def run_mcp(args: argparse.Namespace, config: Config) -> int:
         return fail("--allow-origin needs --http", EXIT_USAGE)
     configure_logging(config.log_level, config.log_format)  # stderr: stdout is the protocol's
     timeout_ms = None if args.timeout is None else max(1, int(args.timeout * 1000))
+    from sandboxd.cli.serve_cmds import event_loop_factory
+
     try:
-        asyncio.run(serve(config, user, timeout_ms=timeout_ms, http=http))
+        with asyncio.Runner(loop_factory=event_loop_factory(config.event_loop)) as runner:
+            runner.run(serve(config, user, timeout_ms=timeout_ms, http=http))
     except DaemonUnreachable as exc:
         return fail(f"cannot serve {user}'s tools: {exc}", EXIT_USAGE)
     return EXIT_OK
