@@ -111,12 +111,3 @@ def abort_marker_tool(daemon: Daemon, user: str = USER) -> Path:
         "}\n")
     return daemon.user_dir(user)
 
-
-def wait_for(predicate: Any, timeout: float = 10, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()

@@ -164,6 +164,29 @@ def test_the_allowed_env_of_the_servers_environment_reaches_the_tool(make_daemon
     assert "apify-secret-17" not in daemon.log_path.read_text()
 
 
+@pytest.mark.parametrize("version", ["2025-06-18", "2025-11-25"])
+def test_each_handshake_version_is_served_as_asked(make_daemon: Any, version: str) -> None:
+    daemon = make_daemon(FAST)
+    host = subprocess.Popen(mcp_command(daemon), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=server_env())
+    lines = [{"jsonrpc": "2.0", "id": 1, "method": "initialize",
+              "params": {"protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}},
+             {"jsonrpc": "2.0", "method": "notifications/initialized"},
+             {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "hello", "arguments": {"name": version}}}]
+    assert host.stdin is not None and host.stdout is not None
+    host.stdin.write(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    host.stdin.flush()  # and kept open: the end of stdin ends the session, and its calls
+    answers: dict[int, Any] = {}
+    while 2 not in answers:
+        answer = json.loads(host.stdout.readline())
+        answers[answer["id"]] = answer
+    host.stdin.close()
+    assert host.wait(20) == 0
+    assert answers[1]["result"]["protocolVersion"] == version
+    assert answers[1]["result"]["capabilities"]["tools"]["listChanged"] is True
+    assert answers[2]["result"]["content"] == [{"type": "text", "text": f"Hello, {version}!"}]
+
+
 def test_the_calls_deadline_is_passed_as_timeout_ms(make_daemon: Any) -> None:
     daemon = make_daemon(FAST)
 

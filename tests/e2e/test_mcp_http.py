@@ -11,6 +11,7 @@ import anyio
 import httpx2
 import mcp_types as types
 import pytest
+from mcp.shared.exceptions import MCPError
 
 from tests.e2e.conftest import write_tool
 from tests.e2e.mcp_session import (ERAS, TOKEN, USER, HttpServer, abort_marker_tool, free_port, mcp_command,
@@ -54,6 +55,8 @@ def test_list_call_progress_cancel_and_list_changed_over_http(served: tuple[Any,
             assert {"hello", "abort_marker"} <= {tool.name for tool in (await client.list_tools()).tools}
             assert text_of(await client.call_tool("hello", {"name": "Web"})) == "Hello, Web!"
             assert (await client.call_tool("thrower", {})).is_error
+            with pytest.raises(MCPError, match="unknown tool 'no_such_tool'"):
+                await client.call_tool("no_such_tool", {})
             assert text_of(await client.call_tool("progress", {"steps": 2}, progress_callback=progress)) == "did 2 steps"
             assert seen == [1.0, 2.0]
 
