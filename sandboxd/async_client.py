@@ -47,6 +47,8 @@ class AsyncClient:
                                     "`sandboxd serve` or pass --socket.") from None
         except PermissionError:
             raise DaemonUnreachable(f"permission denied on {path}; join the socket's group or run as its owner.") from None
+        except OSError as exc:
+            raise DaemonUnreachable(f"cannot connect to {path}: {exc.strerror or exc}.") from None
         return cls(reader, writer, on_notification)
 
     async def request(self, method: str, params: dict[str, Any] | None = None, *,
@@ -61,7 +63,10 @@ class AsyncClient:
         if params is not None:
             message["params"] = params
         self._send(message)
-        await self._writer.drain()
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError):
+            self._lost()  # fails the future with ConnectionLost
         return request_id, future
 
     async def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
@@ -102,6 +107,14 @@ class AsyncClient:
 
     def _handle(self, message: dict[str, Any]) -> None:
         method = message.get("method")
+        if method is None and "error" in message and message.get("id") is None:
+            # Tied to no request (a refused peer, a line the daemon could not read): every request waiting fails.
+            error = message["error"]
+            pending, self._pending = self._pending, {}
+            for future, _ in pending.values():
+                if not future.done():
+                    future.set_exception(RpcError(error.get("code", 0), error.get("message", ""), error.get("data")))
+            return
         if method is None:
             entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
             if entry is None or entry[0].done():

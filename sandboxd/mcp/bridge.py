@@ -96,6 +96,9 @@ class DaemonLink:
             # Watch before anything is listed: no change after this can go unheard.
             await client.call("tools/watch", {"user": self.user})
             status = await client.call("sandbox/status")
+        except RpcError as exc:  # e.g. -32003: this process's uid is not in allowed_uids/allowed_gids
+            await client.close()
+            raise DaemonUnreachable(f"sandboxd on {self.socket} refused: {exc.message}") from None
         except BaseException:
             await client.close()
             raise
@@ -110,16 +113,14 @@ class DaemonLink:
     async def keep(self) -> None:
         """Connect again whenever the daemon goes away, so changes are heard again; until cancelled."""
         while True:
-            client = await self.client()
+            try:
+                client = await self.client()
+            except DaemonUnreachable:
+                await asyncio.sleep(RECONNECT_INTERVAL_S)
+                continue
             await client.closed.wait()
             log.warning("daemon_connection_lost", socket=str(self.socket), hint="connecting again every second")
-            while True:
-                await asyncio.sleep(RECONNECT_INTERVAL_S)
-                try:
-                    await self.client()
-                    break
-                except DaemonUnreachable:
-                    continue
+            await asyncio.sleep(RECONNECT_INTERVAL_S)
 
     async def close(self) -> None:
         if self._client is not None:

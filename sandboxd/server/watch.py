@@ -38,16 +38,16 @@ class ToolWatch:
             raise InvalidParams("tools/watch params must be an object like {\"user\": \"alice@example.com\"}.")
         user = params.get("user") if params else None
         user = None if user is None else check_user(user)
-        users = self._watchers.get(key, (send, set()))[1]
+        users = self._watchers.setdefault(key, (send, set()))[1]
         if user not in users and len(users) >= MAX_WATCHES_PER_CONNECTION:
             raise InvalidParams(f"a connection may watch at most {MAX_WATCHES_PER_CONNECTION} users; "
                                 "open another connection for more.")
+        users.add(user)  # before the wait below: a connection that closes meanwhile is forgotten for good
         # The baseline is taken before the answer, so any change after it is told.
         new = [root for root in self._catalog.roots(user) if root[0] not in self._fingerprints]
         if new:
-            self._fingerprints.update(await asyncio.to_thread(self._take, new))
-        users.add(user)
-        self._watchers[key] = (send, users)
+            for root, fingerprint in (await asyncio.to_thread(self._take, new)).items():
+                self._fingerprints.setdefault(root, fingerprint)  # a check may have taken it meanwhile
         return {}
 
     def forget(self, key: object) -> None:

@@ -7,7 +7,9 @@ and 2026-07-28's per-request envelope.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -214,6 +216,40 @@ def test_a_daemon_that_is_down_is_a_clear_error_at_start(make_daemon: Any) -> No
                     pass
 
     anyio.run(scenario)
+
+
+def test_a_uid_the_daemon_refuses_gets_the_daemons_reason_at_start(make_daemon: Any) -> None:
+    """The socket's peer check applies to `sandboxd mcp` as to any client (needs root, to be someone else)."""
+    daemon = make_daemon(FAST + "socket_mode: '0666'\nallowed_uids: [12345]\n")
+    daemon.socket.parent.chmod(0o755)
+    from sandboxd.cli.main import build_parser
+    from sandboxd.cli.mcp_cmds import run_mcp
+    from sandboxd.config import load_config
+    import sandboxd.mcp.serve  # noqa: F401 - imported before the child drops to a uid that cannot read the venv
+
+    args = build_parser().parse_args(["mcp", "--user", USER, "--socket", str(daemon.socket)])
+    config = load_config(daemon.config_path, overrides={"socket": daemon.socket}, environ={})
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: `sandboxd mcp` as nobody
+        code = 3
+        try:
+            os.close(read_end)
+            os.dup2(write_end, 2)
+            sys.stderr = os.fdopen(2, "w", buffering=1)  # pytest's capture is not fd 2
+            os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = run_mcp(args, config)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as stderr:
+        said = stderr.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 2, said
+    assert "refused" in said and "allowed_uids" in said, said
 
 
 @pytest.mark.parametrize("era", ERAS)
