@@ -29,30 +29,39 @@ LINES_PER_TURN = 64
 
 
 class RefusedPeers:
-    """The door for peers the edge refuses: one error line, after ``DELAY_S``, then the close.
+    """The door for peers the edge refuses: one error line after ``DELAY_S``, our end of the
+    connection shut, what the peer sent read and dropped until it closes (closing over unread
+    bytes would reset the connection, and the peer would lose the answer), at most ``LINGER_S``.
 
     At most ``MAX_HELD`` wait at once (each holds an fd); past that, answered at once."""
 
     DELAY_S = 0.5
+    LINGER_S = 2.0
     MAX_HELD = 256
 
     def __init__(self) -> None:
         self.held = 0
 
     def refuse(self, transport: asyncio.Transport, message: bytes) -> None:
+        if self.held >= self.MAX_HELD:
+            return self._answer(transport, message)
+        self.held += 1
+        transport.pause_reading()  # nothing it sends is read meanwhile
+
         def answer() -> None:
             self.held -= 1
-            if not transport.is_closing():
-                transport.write(message)
-                transport.close()
+            self._answer(transport, message)
 
-        if self.held >= self.MAX_HELD:
-            transport.write(message)
-            transport.close()
-            return
-        self.held += 1
-        transport.pause_reading()  # nothing it sends is read
         asyncio.get_running_loop().call_later(self.DELAY_S, answer)
+
+    def _answer(self, transport: asyncio.Transport, message: bytes) -> None:
+        if transport.is_closing():
+            return
+        transport.write(message)
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()  # the connection drops what it reads, and closes at the peer's EOF
+        asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
 
 
 class Edge(Protocol):
@@ -83,6 +92,7 @@ class Connection(asyncio.Protocol):
         self.calls = ConnectionCalls(edge.calls, self.send)
         self._rpc = Dispatcher(self.send, edge.methods(self), {"notifications/cancelled": self.calls.cancel})
         self.closed = False
+        self._refused = False  # by the edge: what it sends is dropped (RefusedPeers)
         self._paused: set[str] = set()  # why reading is paused: "writing" (the client reads no more), "turn"
         self._next_turn: asyncio.Handle | None = None
 
@@ -93,7 +103,7 @@ class Connection(asyncio.Protocol):
         refusal = self._edge.refusal(transport.get_extra_info("socket"))
         if refusal is not None:
             # One error line, then the door: a refused peer never reaches dispatch.
-            self.closed = True
+            self.closed = self._refused = True
             self._edge.refused_peers.refuse(
                 self.transport, encode({"jsonrpc": "2.0", "id": None, "error": error_body(PeerRefused(refusal))}))
             return
@@ -118,6 +128,8 @@ class Connection(asyncio.Protocol):
         self.calls.resume()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read only so that the close does not reset the peer's answer
         self._handle(data)
 
     def _handle(self, data: bytes = b"") -> None:
@@ -155,8 +167,9 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # A unix socket cannot tell a half-close from a close: EOF is a disconnect,
-        # which cancels the calls in flight (connection_lost follows).
-        return False
+        # which cancels the calls in flight (connection_lost follows). A refused peer's
+        # connection stays for its answer, which the door sends and then closes it.
+        return self._refused
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.closed and self.transport is not None and not self.transport.is_closing():
