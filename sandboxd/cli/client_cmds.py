@@ -6,11 +6,11 @@ import argparse
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
+from sandboxd.cli.common import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_argument_flags, fail, parse_tool_arguments,
+                                 print_progress, print_result)
 from sandboxd.client import Client, DaemonUnreachable, RpcError
 from sandboxd.config import Config
 
@@ -41,31 +41,6 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     s.set_defaults(handler=run_status)
 
 
-def add_argument_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a tool argument (repeatable); values are coerced by the tool's schema")
-    p.add_argument("--json", dest="json_args", metavar="OBJECT", help="tool arguments as a JSON object")
-
-
-def parse_tool_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """--json first, then each --arg on top. Raises ValueError with a usage message."""
-    arguments: dict[str, Any] = {}
-    if args.json_args:
-        try:
-            loaded = json.loads(args.json_args)
-        except ValueError as exc:
-            raise ValueError(f"--json is not valid JSON: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError("--json must be a JSON object like '{\"name\": \"World\"}'")
-        arguments.update(loaded)
-    for item in args.arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--arg {item!r} must look like KEY=VALUE")
-        arguments[key] = value
-    return arguments
-
-
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -87,23 +62,6 @@ def parse_env(items: list[str], environ: Mapping[str, str] = os.environ) -> dict
             value = environ[name]
         env[name] = value
     return env
-
-
-def print_progress(params: dict[str, Any]) -> None:
-    for block in params.get("content") or []:
-        if isinstance(block, dict) and block.get("type") == "text":
-            print(f"… {block.get('text', '')}", file=sys.stderr, flush=True)
-
-
-def print_result(result: dict[str, Any]) -> None:
-    for block in result.get("content") or []:
-        if isinstance(block, dict) and block.get("type") == "text":
-            print(block.get("text", ""))
-        elif isinstance(block, dict):
-            print(f"[{block.get('type')} block, {block.get('mimeType', '')}]")
-    if result.get("status") != "ok":
-        print(f"sandboxd: the call ended with status {result.get('status')} after {result.get('durationMs')} ms",
-              file=sys.stderr)
 
 
 def run_call(args: argparse.Namespace, config: Config) -> int:

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sandboxd.cli.client_cmds import add_argument_flags, parse_tool_arguments, print_progress, print_result
-from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
-from sandboxd.cli.tools_cmds import user_argument, validate_tool_dir
+from sandboxd.cli.common import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_argument_flags, fail, parse_tool_arguments,
+                                 print_progress, print_result, user_argument)
 from sandboxd.config import Config
 from sandboxd.dev.session import BackendChoice, DevSession, choose_backend, dev_spec, requested_backend
 from sandboxd.dev.watch import changed_files, snapshot, wait_for_change
@@ -26,6 +25,7 @@ from sandboxd.tools.discovery import ENTRY_FILES, Tool
 from sandboxd.tools.manifest import MANIFEST_FILE
 from sandboxd.tools.scaffold import ScaffoldError, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
+from sandboxd.tools.validation import validate_tool_dir
 
 EXIT_INTERRUPTED = 130
 

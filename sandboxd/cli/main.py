@@ -1,4 +1,4 @@
-"""`sandboxd` command line: ordinary conventions.
+"""`sandboxd` command line: ordinary conventions (cli/common.py), one module of commands per topic.
 
 Exit codes: 0 ok, 1 failure (a tool error, a validation error), 2 usage or
 daemon error. Results go to stdout, diagnostics to stderr.
@@ -8,41 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Any, Callable
 
 from sandboxd import __version__
-from sandboxd.config import RUNNER_IMAGE, Config, load_config
+from sandboxd.cli import client_cmds, dev_cmds, mcp_cmds, serve_cmds, tools_cmds
+from sandboxd.cli.common import EXIT_OK, EXIT_USAGE, Handler, common_parent, config_overrides, fail
+from sandboxd.config import RUNNER_IMAGE, load_config
 from sandboxd.errors import ConfigError
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-Handler = Callable[[argparse.Namespace, Config], int]
-
-
-def common_parent() -> argparse.ArgumentParser:
-    """Flags every command takes: where the config and the data are."""
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--config", type=Path, metavar="FILE",
-                        help="YAML config file (default: $SANDBOXD_CONFIG, then /etc/sandboxd/config.yaml if present)")
-    parent.add_argument("--data-path", type=Path, metavar="DIR", help="root of tools and user data (DATA_PATH)")
-    return parent
-
-
-def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Flags that map onto config keys; absent flags (None) leave the config alone."""
-    return {
-        "data_path": getattr(args, "data_path", None),
-        "socket": getattr(args, "socket", None),
-        "seed_tools": getattr(args, "seed_tools", None),
-        "backend": getattr(args, "backend", None),
-        "log_level": getattr(args, "log_level", None),
-    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sandboxd.cli import client_cmds, dev_cmds, mcp_cmds, serve_cmds, tools_cmds
-
     parser = argparse.ArgumentParser(
         prog="sandboxd",
         description="Run AI agents' tools in warm, hardened Node.js sandboxes.",
@@ -53,11 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (serve_cmds, client_cmds, mcp_cmds, tools_cmds, dev_cmds):
         module.add_commands(subparsers, parent)
     return parser
-
-
-def fail(message: str, code: int = EXIT_FAILURE) -> int:
-    print(f"sandboxd: {message}", file=sys.stderr)
-    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from sandboxd.cli.main import EXIT_OK, EXIT_USAGE, fail
+from sandboxd.cli.common import EXIT_OK, EXIT_USAGE, fail
 from sandboxd.client import DaemonUnreachable
 from sandboxd.config import Config
 from sandboxd.errors import InvalidParams

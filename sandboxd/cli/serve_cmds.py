@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Callable
 
-from sandboxd.cli.main import EXIT_FAILURE, EXIT_OK, config_overrides, fail
+from sandboxd.cli.common import EXIT_FAILURE, EXIT_OK, config_overrides, fail
 from sandboxd.config import Config, ConfigError, check_unsandboxed, config_file, env_keys, load_config, unsafe_settings
 from sandboxd.logging import configure_logging, get_logger, set_log_budget
 

@@ -277,6 +277,10 @@ class Server:
             },
         }
 
+    @property
+    def egress_decisions(self) -> Mapping[tuple[str, str], int]:
+        return self.egress.decisions
+
     def describe(self) -> str:
         """One line for systemd's STATUS= (shown by `systemctl status sandboxd`)."""
         totals = self.pool.status()["totals"]

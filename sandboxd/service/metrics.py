@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Mapping, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
@@ -26,9 +26,6 @@ from sandboxd import __version__
 from sandboxd.config import parse_listen_address
 from sandboxd.logging import get_logger, lines_dropped
 from sandboxd.unixsocket import bind_unix_socket
-
-if TYPE_CHECKING:
-    from sandboxd.server.server import Server
 
 log = get_logger("sandboxd.metrics")
 
@@ -41,15 +38,30 @@ _REQUEST_TIMEOUT_S = 5.0
 _MAX_REQUEST_HEAD = 16 << 10
 
 
+class Observed(Protocol):
+    """What the metrics read of the daemon, at scrape time (``server.Server`` is one)."""
+
+    def status(self) -> dict[str, Any]:
+        """sandbox/status: the pool (totals, users, counters, refusals), calls in flight, connections, the backend."""
+
+    @property
+    def egress_decisions(self) -> Mapping[tuple[str, str], int]:
+        """(decision, reason) → egress requests so far."""
+
+    @property
+    def orphans_reaped(self) -> int: ...
+
+
 class _ServerCollector:
     """Reads the daemon's own bookkeeping at scrape time."""
 
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    def __init__(self, daemon: Observed) -> None:
+        self._daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
-        server = self._server
-        status = server.pool.status()
+        daemon = self._daemon
+        whole = daemon.status()
+        status = whole["pool"]
         sandboxes = GaugeMetricFamily("sandboxd_sandboxes", "Sandboxes held, by state.", labels=["state"])
         for state in ("starting", "idle", "busy", "stopping"):
             sandboxes.add_metric([state], status["totals"][state])
@@ -74,8 +86,8 @@ class _ServerCollector:
         for reason, count in status["refusals"].items():
             refusals.add_metric([reason], count)
         yield refusals
-        yield GaugeMetricFamily("sandboxd_calls_in_flight", "Calls accepted and not yet answered.", value=len(server.calls_in_flight))
-        yield GaugeMetricFamily("sandboxd_connections", "Open client connections.", value=len(server.connections))
+        yield GaugeMetricFamily("sandboxd_calls_in_flight", "Calls accepted and not yet answered.", value=whole["callsInFlight"])
+        yield GaugeMetricFamily("sandboxd_connections", "Open client connections.", value=whole["connections"])
         counters = status["counters"]
         for name, key, help_text in (
             ("sandboxd_sandbox_starts", "started", "Sandboxes started."),
@@ -87,7 +99,7 @@ class _ServerCollector:
             yield CounterMetricFamily(name, help_text, value=counters.get(key, 0))
         egress = CounterMetricFamily("sandboxd_egress_requests", "Egress requests from sandboxes, by decision "
                                      "(allowed, refused, failed) and reason.", labels=["decision", "reason"])
-        for (decision, reason), count in sorted(server.egress.decisions.items()):
+        for (decision, reason), count in sorted(daemon.egress_decisions.items()):
             egress.add_metric([decision, reason], count)
         yield egress
         dropped = CounterMetricFamily("sandboxd_log_lines_dropped", "Log lines over their source's budget (log_rate, "
@@ -97,14 +109,14 @@ class _ServerCollector:
             dropped.add_metric([kind], count)
         yield dropped
         yield CounterMetricFamily("sandboxd_orphans_reaped", "Containers left by an earlier run, removed at start-up.",
-                                  value=server.orphans_reaped)
+                                  value=daemon.orphans_reaped)
         info = GaugeMetricFamily("sandboxd_build_info", "Always 1; the labels say what runs.", labels=["version", "backend"])
-        info.add_metric([__version__, server.backend.name], 1)
+        info.add_metric([__version__, whole["backend"]], 1)
         yield info
 
 
 class Metrics:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, daemon: Observed) -> None:
         self.registry = CollectorRegistry()
         self.calls = Counter("sandboxd_calls", "Tool calls answered, by tool and status.", ["tool", "status"],
                              registry=self.registry)
@@ -112,9 +124,8 @@ class Metrics:
                                       ["tool"], buckets=CALL_SECONDS_BUCKETS, registry=self.registry)
         self.queue_seconds = Histogram("sandboxd_queue_wait_seconds", "Time a call waited for a sandbox.",
                                        buckets=QUEUE_SECONDS_BUCKETS, registry=self.registry)
-        self.registry.register(_ServerCollector(server))
+        self.registry.register(_ServerCollector(daemon))
         ProcessCollector(registry=self.registry)
-        self._server = server
         self._listener: asyncio.AbstractServer | None = None
         self._socket_path: Path | None = None
 

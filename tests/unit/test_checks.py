@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandboxd.cli.main import main
-from sandboxd.cli.tools_cmds import validate_paths
+from sandboxd.tools.validation import validate_paths
 from sandboxd.tools.checks import EXPORT_FIX, check_entry_file, check_entry_source, check_synced_copy, tokenize
 
 REPO = Path(__file__).resolve().parents[2]

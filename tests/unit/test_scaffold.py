@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.cli.main import main
-from sandboxd.cli.tools_cmds import validate_paths
+from sandboxd.tools.validation import validate_paths
 from sandboxd.tools.discovery import inspect_tool_dir
 from sandboxd.tools.scaffold import ScaffoldError, label_for, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
