@@ -13,7 +13,7 @@ import ipaddress
 import os
 import pwd
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -57,7 +57,7 @@ BRIDGE_NETWORK = "sandboxd"
 # Settings that weaken the sandbox start only when `allow_unsafe` names them (docs/config.md).
 UnsafeName = Literal["host_network", "shared_network", "direct_network", "cap_add", "writable_root", "host_uid",
                      "unsandboxed", "mcp_http_remote"]
-UNSAFE_NAMES: tuple[str, ...] = UnsafeName.__args__  # type: ignore[attr-defined]
+UNSAFE_NAMES: tuple[str, ...] = get_args(UnsafeName)
 
 
 def default_socket_path() -> Path:

@@ -148,9 +148,6 @@ class _StreamingBackend:
     async def destroy(self, sandbox: Sandbox) -> None:
         await self._inner.destroy(sandbox)
 
-    async def list_owned(self) -> list[str]:
-        return await self._inner.list_owned()
-
     async def remove_orphans(self) -> int:
         return 0  # the sandboxes of other runs are theirs
 

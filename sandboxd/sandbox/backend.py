@@ -198,10 +198,6 @@ class Backend(Protocol[SandboxT]):
         """Kill and remove the sandbox. Idempotent; never raises."""
         ...
 
-    async def list_owned(self) -> list[str]:
-        """Ids of every sandbox this daemon instance owns, started by this run or an earlier one."""
-        ...
-
     async def remove_orphans(self) -> int:
         """Remove sandboxes left by an earlier run of this daemon; return how many."""
         ...

@@ -554,9 +554,6 @@ class DockerBackend:
             lambda: self.api().containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={self.instance}"]})
         )
 
-    async def list_owned(self) -> list[str]:
-        return [c["Id"] for c in await self._owned()]
-
     async def remove_orphans(self) -> int:
         if self.config.transport == "socket":
             self.shim_dir()  # also removes the socket directories an earlier run left

@@ -142,9 +142,6 @@ class FakeBackend:
     def reconfigure(self, config: SandboxConfig) -> None:
         self.reconfigured.append(config)
 
-    async def list_owned(self) -> list[str]:
-        return list(self.sandboxes) + list(self.orphans)
-
     async def remove_orphans(self) -> int:
         count, self.orphans = len(self.orphans), []
         return count

@@ -42,6 +42,10 @@ class ProcessSandbox(ShimSandbox):
         self._read_protocol.set()
         self._read_output.set()
 
+    def start_pumps(self) -> None:
+        """Read its stdout (the protocol) and stderr (tool output) from now on."""
+        self._pumps = [asyncio.create_task(self.pump()), asyncio.create_task(self.pump_stderr())]
+
     async def kill(self) -> None:
         """Kill the shim and its whole process group, and stop reading its pipes."""
         self.drain()  # wait() below returns only once both pipes reached their ends
@@ -133,7 +137,7 @@ class ProcessBackend:
         except OSError as exc:
             raise BackendUnavailable(f"could not run {self.node}: {exc.strerror}; install Node.js 20 or newer.") from None
         sandbox = ProcessSandbox(process, spec.user, self.max_line_bytes)
-        sandbox._pumps = [asyncio.create_task(sandbox.pump()), asyncio.create_task(sandbox.pump_stderr())]
+        sandbox.start_pumps()
         self._live.add(sandbox)
         try:
             ready = await sandbox.channel.ready
@@ -153,9 +157,6 @@ class ProcessBackend:
     async def destroy(self, sandbox: ProcessSandbox) -> None:
         self._live.discard(sandbox)
         await sandbox.kill()
-
-    async def list_owned(self) -> list[str]:
-        return [s.id for s in self._live]
 
     async def remove_orphans(self) -> int:
         return 0  # processes die with the daemon (their stdin closes)

@@ -51,13 +51,6 @@ _CLASSES = frozenset({"class_declaration", "abstract_class_declaration", "class"
 _WRAPPERS = frozenset({"parenthesized_expression", "as_expression", "satisfies_expression", "non_null_expression"})
 
 
-@dataclass(frozen=True)
-class Token:
-    kind: str  # name, punct, string, template, regex, number
-    text: str  # a string token's text is its raw content, without the quotes
-    line: int
-
-
 def _parse(text: str, name: str = "index.ts") -> Node:
     """The syntax tree's root; never raises (broken code gives ERROR nodes, which the checks pass over)."""
     data = text.encode("utf-8", errors="surrogatepass")  # lone surrogates: keep the byte offsets line-true
@@ -81,57 +74,6 @@ def _walk(node: Node, into_functions: bool = True) -> Iterator[Node]:
         yield current
         if into_functions or current.type not in _FUNCTIONS:
             stack.extend(reversed(current.children))
-
-
-# --- tokens (kept for tests and tooling: leaves of the tree) --------------------------------------
-
-
-def tokenize(source: str) -> list[Token]:
-    """JS/TS tokens with their line numbers, from the syntax tree's leaves; comments are dropped. Never raises."""
-    root = _parse(source)
-    tokens: list[Token] = []
-    # A work list rather than recursion: hostile nesting must not exhaust Python's stack.
-    work: list[Node | Token] = [root]
-    while work:
-        item = work.pop()
-        if isinstance(item, Token):
-            tokens.append(item)
-            continue
-        work.extend(reversed(_token_items(item)))
-    return tokens
-
-
-def _token_items(node: Node) -> list[Node | Token]:
-    """What one node stands for in the token stream: a token, or the items to visit in its place."""
-    kind, line = node.type, _line(node)
-    if kind in ("comment", "hash_bang_line", "html_comment"):
-        return []
-    if kind == "string":
-        return [Token("string", _text(node)[1:-1] if node.end_byte - node.start_byte >= 2 else "", line)]
-    if kind == "regex":
-        return [Token("regex", _text(node), line)]
-    if kind == "template_string":
-        # The text between the backquotes and the ${...} substitutions, each one template token.
-        raw, base = node.text or b"", node.start_byte
-        items: list[Node | Token] = []
-        start = base + 1
-        for child in node.children:
-            if child.type == "template_substitution":
-                items.append(Token("template", raw[start - base: child.start_byte - base].decode("utf-8", "replace"),
-                                   line))
-                items.extend(child.children[1:-1])  # between "${" and "}"
-                start, line = child.end_byte, child.end_point.row + 1
-        stop = node.end_byte - 1 if raw.endswith(b"`") and node.end_byte - 1 >= start else node.end_byte
-        items.append(Token("template", raw[start - base: stop - base].decode("utf-8", "replace"), line))
-        return items
-    if node.child_count:
-        return list(node.children)
-    text = _text(node)
-    if not text:
-        return []
-    if kind == "number":
-        return [Token("number", text, line)]
-    return [Token("name" if re.match(r"[\w$#\u0080-\uffff]", text) else "punct", text, line)]
 
 
 # --- exports ---------------------------------------------------------------------------------------
