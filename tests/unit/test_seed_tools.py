@@ -155,3 +155,18 @@ def test_email_db_helper_names_a_database_it_cannot_open(tmp_path: Path) -> None
     junk.write_text("not sqlite " * 100)
     answer = helper(junk, action="stats")
     assert answer["error"] == "open" and "not a database" in answer["message"], answer
+
+
+USER_PATHS = re.compile(r"^// --- the user's folder, and paths confined to it.*?^// --- end of the user's folder$",
+                        re.M | re.S)
+
+
+def test_every_seed_tool_that_takes_paths_confines_them_with_the_same_code() -> None:
+    """Each tool folder stands alone (TOOLS.md), so the check that keeps a caller's path inside
+    the user's folder is copied; the copies must be the same, or a fix reaches only some tools."""
+    copies = {tool: USER_PATHS.findall((SEED / tool / "index.ts").read_text()) for tool in TOOLS}
+    takes_paths = {tool for tool in TOOLS if "output_path" in (SEED / tool / "TOOL.md").read_text()
+                   or "_path:" in (SEED / tool / "TOOL.md").read_text()}
+    assert takes_paths <= {tool for tool, found in copies.items() if found}, copies
+    assert len({block for found in copies.values() for block in found}) == 1, {t: len(f) for t, f in copies.items()}
+    assert all(len(found) <= 1 for found in copies.values())

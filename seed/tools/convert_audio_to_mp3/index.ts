@@ -6,7 +6,6 @@ type ToolResult = { content: Array<{ type: string; text: string }>; isError?: bo
 type OnUpdate = (partial: { content: Array<{ type: string; text: string }> }) => void;
 type Params = { input_path: string; output_path?: string; bitrate?: string };
 
-const USER_ROOT = '/officer/user';
 const TIMEOUT_MS = 30 * 60 * 1000;
 
 function ok(text: string): ToolResult {
@@ -26,19 +25,26 @@ function hasCommand(cmd: string): boolean {
   }
 }
 
-// A path given to the tool must stay in the user's folder, links resolved first (a link
-// inside /officer/user pointing out of it is refused too).
+
+// --- the user's folder, and paths confined to it: the same in every seed tool that takes paths
+// (each tool folder stands alone, as TOOLS.md asks); tests/unit/test_seed_tools.py keeps the copies equal.
+function userRoot(): string {
+  return process.env.OFFICER_USER_ROOT || '/officer/user';
+}
+
 function userPath(param: string, value: string, mustExist: boolean): string {
-  const fix = `Fix: use a path inside ${USER_ROOT}, e.g. ${USER_ROOT}/result.json`;
-  const inside = (p: string) => p === USER_ROOT || p.startsWith(USER_ROOT + '/');
-  const abs = resolve(USER_ROOT, value);
-  if (!inside(abs)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}. ${fix}`);
-  if (mustExist && !existsSync(abs)) throw new Error(`${param}: no such file: ${abs}. Fix: check the path (list ${USER_ROOT} to see what is there).`);
-  if (!existsSync(dirname(abs))) throw new Error(`${param}: the folder ${dirname(abs)} does not exist. Fix: write into an existing folder such as ${USER_ROOT}.`);
+  const root = userRoot();
+  const fix = `Fix: use a path inside ${root}, e.g. ${root}/result.json`;
+  const inside = (p: string) => p === root || p.startsWith(root + '/');
+  const abs = resolve(root, value);
+  if (!inside(abs)) throw new Error(`${param} must be inside ${root}, got ${value}. ${fix}`);
+  if (mustExist && !existsSync(abs)) throw new Error(`${param}: no such file: ${abs}. Fix: check the path (list ${root} to see what is there).`);
+  if (!existsSync(dirname(abs))) throw new Error(`${param}: the folder ${dirname(abs)} does not exist. Fix: write into an existing folder such as ${root}.`);
   const real = existsSync(abs) ? realpathSync(abs) : join(realpathSync(dirname(abs)), basename(abs));
-  if (!inside(real)) throw new Error(`${param} must be inside ${USER_ROOT}, got ${value}, which resolves to ${real} through a link. ${fix}`);
+  if (!inside(real)) throw new Error(`${param} must be inside ${root}, got ${value}, which resolves to ${real} through a link. ${fix}`);
   return real;
 }
+// --- end of the user's folder
 
 type Audio = { duration: number; bitRate: number; sampleRate: number };
 

@@ -22,23 +22,26 @@ function err(text: string): ToolResult {
   return { content: [{ type: 'text', text }], isError: true };
 }
 
+
+// --- the user's folder, and paths confined to it: the same in every seed tool that takes paths
+// (each tool folder stands alone, as TOOLS.md asks); tests/unit/test_seed_tools.py keeps the copies equal.
 function userRoot(): string {
   return process.env.OFFICER_USER_ROOT || '/officer/user';
 }
 
-// A path given to the tool must stay in the user's folder, links resolved first (a link
-// inside the folder pointing out of it is refused too).
-function userPath(param: string, value: string): string {
+function userPath(param: string, value: string, mustExist: boolean): string {
   const root = userRoot();
-  const fix = `Fix: use a path inside ${root}, e.g. ${root}/page.txt`;
+  const fix = `Fix: use a path inside ${root}, e.g. ${root}/result.json`;
   const inside = (p: string) => p === root || p.startsWith(root + '/');
   const abs = resolve(root, value);
   if (!inside(abs)) throw new Error(`${param} must be inside ${root}, got ${value}. ${fix}`);
+  if (mustExist && !existsSync(abs)) throw new Error(`${param}: no such file: ${abs}. Fix: check the path (list ${root} to see what is there).`);
   if (!existsSync(dirname(abs))) throw new Error(`${param}: the folder ${dirname(abs)} does not exist. Fix: write into an existing folder such as ${root}.`);
   const real = existsSync(abs) ? realpathSync(abs) : join(realpathSync(dirname(abs)), basename(abs));
   if (!inside(real)) throw new Error(`${param} must be inside ${root}, got ${value}, which resolves to ${real} through a link. ${fix}`);
   return real;
 }
+// --- end of the user's folder
 
 function wholeNumber(param: string, value: unknown, fallback: number, min: number, max: number): number {
   if (value === undefined || value === null) return fallback;
@@ -452,7 +455,7 @@ async function fetchPage(params: Params, signal?: AbortSignal, onUpdate?: OnUpda
     }
     maxChars = wholeNumber('max_chars', params.max_chars, DEFAULT_MAX_CHARS, 1, MAX_MAX_CHARS);
     timeoutS = wholeNumber('timeout_seconds', params.timeout_seconds, 30, 1, 300);
-    out = params.output_path ? userPath('output_path', params.output_path) : undefined;
+    out = params.output_path ? userPath('output_path', params.output_path, false) : undefined;
   } catch (e) {
     return err(e instanceof Error ? e.message : String(e));
   }
