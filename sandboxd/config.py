@@ -26,7 +26,7 @@ SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNNER_IMAGE = f"sandboxd/node:{__version__}"  # tests check this matches images/node/VERSION
 
-# Integration variables pi-bridge may pass per call (TOOLS.md, "Available Environment Variables").
+# Integration variables pi-bridge may pass per call (docs/tools.md, "The entry file").
 DEFAULT_ALLOWED_ENV = [
     "OFFICER_RESOURCES",
     "PI_SEARXNG_URL",
@@ -61,7 +61,7 @@ UNSAFE_NAMES: tuple[str, ...] = get_args(UnsafeName)
 
 
 def default_socket_path() -> Path:
-    """PROTOCOL.md's default when we may create /run/sandboxd, else a per-user runtime dir."""
+    """docs/protocol.md's default when we may create /run/sandboxd, else a per-user runtime dir."""
     if os.geteuid() == 0:
         return Path("/run/sandboxd/sandboxd.sock")
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -367,7 +367,7 @@ def email_db_path(config: Config, user: str) -> Path:
         raise ValueError(f"sandbox.email_db {template!r} must be an absolute path (or start with {{data_path}})")
     if path.name != EMAIL_DB_NAME:
         raise ValueError(f"sandbox.email_db {template!r} must name a file {EMAIL_DB_NAME!r}: its folder is mounted at "
-                         f"/officer/data, where tools open /officer/data/{EMAIL_DB_NAME} (TOOLS.md); "
+                         f"/officer/data, where tools open /officer/data/{EMAIL_DB_NAME} (docs/tools.md); "
                          f"e.g. {DEFAULT_EMAIL_DB!r}")
     # Two users' folders must differ: a sandbox mounts the whole folder, read-write.
     if _email_db_for(template, config.data_path, "other-" + user).parent == path.parent:

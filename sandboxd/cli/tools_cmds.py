@@ -34,7 +34,7 @@ def add_commands(subparsers: Any, parent: argparse.ArgumentParser) -> None:
         description="List the global tools, and with --user the user's own (which override global ones).")
     listing.add_argument("--user", type=user_argument, metavar="U", help="include this user's tools (an email address)")
     listing.add_argument("--all", action="store_true", help="also list directories that are skipped, and why")
-    listing.add_argument("--json", action="store_true", help="print the tools/list result of PROTOCOL.md")
+    listing.add_argument("--json", action="store_true", help="print the tools/list result of docs/protocol.md")
     _add_source_flags(listing)
     listing.set_defaults(handler=list_tools)
 

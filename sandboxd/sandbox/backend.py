@@ -40,7 +40,7 @@ class EgressSession(Protocol):
 class Egress(Protocol):
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession: ...
 
-# Where TOOLS.md says things live inside a sandbox.
+# Where docs/tools.md says things live inside a sandbox.
 CONTAINER_TOOLS = "/officer/tools"
 CONTAINER_USER = "/officer/user"
 CONTAINER_USER_TOOLS = "/officer/user/tools"
@@ -50,7 +50,7 @@ CONTAINER_CACHE = "/officer/cache"  # the transpile cache (tools/transpile_cache
 
 
 def sandbox_env(*, home: str, tools_dir: str, user_tools_dir: str, email_db: str) -> dict[str, str]:
-    """The variables every sandbox gets (TOOLS.md, "Available Environment Variables"), by any backend."""
+    """The variables every sandbox gets (docs/tools.md, "The entry file"), by any backend."""
     return {
         "HOME": home,
         "OFFICER_USER_HOME": home,
@@ -71,7 +71,7 @@ def reserved_env(name: str) -> bool:
 
 
 def container_entry_path(tool: Tool) -> str:
-    """Entry path inside a sandbox that mounts the tools where TOOLS.md says."""
+    """Entry path inside a sandbox that mounts the tools where docs/tools.md says."""
     root = CONTAINER_USER_TOOLS if tool.source == "user" else CONTAINER_TOOLS
     return f"{root}/{tool.dir.name}/{tool.entry.name}"
 

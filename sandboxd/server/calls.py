@@ -36,7 +36,7 @@ from sandboxd.users import check_user
 
 log = get_logger("sandboxd.calls")
 
-# Set by the daemon itself (TOOLS.md); a call may not override them.
+# Set by the daemon itself (docs/tools.md); a call may not override them.
 
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.

@@ -2,7 +2,7 @@
 
 Methods never see the envelope: a method gets (request id, params) and returns its
 result, or an awaitable of it (answered from a task when it completes; None means
-no answer), or raises. The dispatcher checks every message (PROTOCOL.md), puts the
+no answer), or raises. The dispatcher checks every message (docs/protocol.md), puts the
 id on the answer, and maps errors to the wire in one place (``error_body``): a
 SandboxdError carries its code, anything else is -32603 with the details in the log.
 """
@@ -113,7 +113,7 @@ def _parse(line: bytes) -> tuple[Any, str, Any, bool]:
     except UnicodeDecodeError:
         raise _Refused(PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.") from None
     except strictjson.DuplicateKey as exc:
-        # Which value would win is parser-dependent: refused, not guessed (PROTOCOL.md).
+        # Which value would win is parser-dependent: refused, not guessed (docs/protocol.md).
         raise _Refused(INVALID_REQUEST, f"{exc}; send every key of an object once.") from None
     except RecursionError:
         raise _Refused(PARSE_ERROR, "message is nested too deeply to parse.") from None

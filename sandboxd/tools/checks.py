@@ -636,7 +636,7 @@ def _return_checks(execute: Node, add: Callable[..., None]) -> None:
     if body is None or body.type != "statement_block":
         return  # an arrow's expression body is its return value
     if not body.named_children or all(c.type == "comment" for c in body.named_children):
-        return  # an empty body is a placeholder (TOOLS.md's own "// Implementation here")
+        return  # an empty body is a placeholder (docs/tools.md's own "// Implementation here")
     try:
         completes = _completes(body)
     except RecursionError:  # nesting deeper than Python's stack: say nothing rather than guess

@@ -76,7 +76,7 @@ class Tool:
         return len(json.dumps(self.to_protocol(), ensure_ascii=False).encode())
 
     def to_protocol(self) -> dict[str, Any]:
-        """The Tool object of PROTOCOL.md's tools/list, keys in the spec's order."""
+        """The Tool object of docs/protocol.md's tools/list, keys in the spec's order."""
         manifest = self.manifest
         return {
             "name": manifest.name,

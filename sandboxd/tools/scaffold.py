@@ -1,4 +1,4 @@
-"""`sandboxd new`: a new tool folder laid out as TOOLS.md recommends.
+"""`sandboxd new`: a new tool folder laid out as docs/tools.md recommends.
 
 The scaffold is a working tool, not a stub: it validates with no findings and
 runs, the first time with no arguments: its one example input, ``city``, is
@@ -113,7 +113,7 @@ class ScaffoldError(Exception):
 
 
 def check_tool_name(name: str) -> None:
-    """Raise ScaffoldError unless ``name`` is a valid tool name (TOOLS.md: snake_case)."""
+    """Raise ScaffoldError unless ``name`` is a valid tool name (docs/tools.md: snake_case)."""
     if not _SNAKE_CASE.fullmatch(name):
         raise ScaffoldError(f"{name!r} is not a snake_case tool name (lowercase letters, digits and _, starting "
                             f"with a letter); try: sandboxd new {suggest_snake_case(name)}")

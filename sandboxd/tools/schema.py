@@ -1,4 +1,4 @@
-"""inputSchema (PROTOCOL.md) from a manifest, and call arguments checked against it.
+"""inputSchema (docs/protocol.md) from a manifest, and call arguments checked against it.
 
 Arguments are coerced the way pi's validator does it (AJV with
 ``coerceTypes: true``, https://ajv.js.org/coercion.html), so a tool receives
@@ -31,7 +31,7 @@ _MAX_SHOWN = 60  # characters of a value quoted in an error message
 
 
 def input_schema(manifest: Manifest) -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of the tool's arguments, exactly as PROTOCOL.md describes it."""
+    """The JSON Schema (draft 2020-12) of the tool's arguments, exactly as docs/protocol.md describes it."""
     return {
         "type": "object",
         "properties": {item.name: _property(item) for item in manifest.inputs},

@@ -1,4 +1,4 @@
-"""Seed sync (TOOLS.md, "How Sync Works"): copy seed tools into DATA_PATH/tools by version.
+"""Seed sync (docs/tools.md, "Sync"): copy seed tools into DATA_PATH/tools by version.
 
 A seed tool replaces the installed one only when its version is higher, so
 edits to an installed tool survive until the seed's version passes theirs.
