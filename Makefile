@@ -4,11 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker image serve test test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
+.PHONY: help setup docker image serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
-	@echo "make test    every test: unit, shim (node --test) and end-to-end against real Docker"
+	@echo "make test    every test: types (mypy), unit, shim (node --test) and end-to-end against real Docker"
+	@echo "make typecheck  mypy over sandboxd/ (part of make test)"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
 	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension, and the MCP hosts' clients for the tests (clients/)"
@@ -40,10 +41,14 @@ SOCKET ?=
 serve: setup image
 	@$(BIN)/sandboxd serve$(if $(SOCKET), --socket $(SOCKET))
 
-test: setup image clients
+test: setup image clients typecheck
 	node --test images/node/shim/test/*.test.js
 	$(BIN)/python -m pytest tests
 	$(CLIENT_TESTS)
+
+# mypy over sandboxd/ ([tool.mypy] in pyproject.toml); part of make test.
+typecheck: setup
+	$(BIN)/mypy
 
 test-unit: setup shim-deps
 	$(BIN)/python -m pytest tests/unit

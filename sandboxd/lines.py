@@ -8,7 +8,7 @@ the lines around it; what that means (answer and go on, or break) is the reader'
 
 from __future__ import annotations
 
-from typing import Final, Iterator
+from typing import Final, Generator
 
 
 class _TooLong:
@@ -25,7 +25,7 @@ class LineBuffer:
         self._buffer = bytearray()
         self._skipping = False  # inside an over-long line, dropping bytes up to its \n
 
-    def feed(self, data: bytes) -> Iterator[bytes | _TooLong]:
+    def feed(self, data: bytes) -> Generator[bytes | _TooLong, None, None]:
         """The complete lines ``data`` ends; what a reader that breaks out early leaves comes with the next feed."""
         buffer, limit = self._buffer, self.max_line
         buffer += data

@@ -21,7 +21,7 @@ import contextvars
 import logging
 import sys
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, MutableMapping
 
 import structlog
 
@@ -78,8 +78,9 @@ def _mask_all(value: Any) -> Any:
     return MASK
 
 
-def redact(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-    return _scrub(event, _secrets.get())  # type: ignore[return-value]
+def redact(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
+    scrubbed: dict[str, Any] = _scrub(event, _secrets.get())
+    return scrubbed
 
 
 # -- the log's budgets ---------------------------------------------------------------
@@ -185,7 +186,7 @@ def log_dropped_summary() -> None:
             hint="these sources logged faster than log_rate lines/s (log_burst at once); the metrics count every event")
 
 
-def within_budget(_logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+def within_budget(_logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """First in the chain: a line over its source's budget is dropped before any other work."""
     kind_who = event.pop(BUDGET_KEY, None)
     if kind_who is not None and not _budget.admit(kind_who, str(event.get("event"))):

@@ -155,11 +155,12 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
         return fail(str(exc), EXIT_USAGE)
     except SandboxdError as exc:
         return fail(exc.message, EXIT_USAGE)
-    loaded = None
+    loaded: tuple[Tool, dict[str, Any]] | None = None
     if not args.watch:
-        loaded = _load(tool_dir, arguments)  # before any sandbox starts: a broken tool fails fast
-        if isinstance(loaded, int):
-            return loaded
+        checked = _load(tool_dir, arguments)  # before any sandbox starts: a broken tool fails fast
+        if isinstance(checked, int):
+            return checked
+        loaded = checked
     configure_logging("error", "console")  # the pool's own events would only repeat what is printed here
     try:
         choice = choose_backend(requested, config)
@@ -194,7 +195,7 @@ async def _session(args: argparse.Namespace, config: Config, choice: BackendChoi
             if code == EXIT_OK:
                 _say(_next_steps(tool_dir, loaded[0], arguments, config.data_path))
             return code
-        runs, changes = 0, []
+        runs, changes = 0, list[str]()
         while True:
             before = await asyncio.to_thread(snapshot, tool_dir)
             runs += 1

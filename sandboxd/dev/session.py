@@ -27,6 +27,7 @@ from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, San
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallParams, CallRunner
 from sandboxd.tools.discovery import Tool
+from sandboxd.tools.transpile_cache import Esbuild
 from sandboxd.users import global_tools_dir, user_dir
 
 BackendName = Literal["docker", "process"]
@@ -137,6 +138,10 @@ class _StreamingBackend:
         self._on_line = on_line
         self.name = inner.name
 
+    @property
+    def transport(self) -> str:
+        return self._inner.transport
+
     async def start(self, spec: SandboxSpec) -> Sandbox:
         sandbox = await self._inner.start(spec)
         sandbox.on_output(self._on_line)
@@ -156,6 +161,9 @@ class _StreamingBackend:
 
     def entry_path(self, tool: Tool) -> str:
         return self._inner.entry_path(tool)
+
+    async def esbuild(self, directory: Path) -> Esbuild | None:
+        return None  # a run transpiles its one tool in its sandbox: no cache to fill
 
     async def close(self) -> None:
         await self._inner.close()

@@ -159,7 +159,7 @@ class EgressProxy:
                 async with asyncio.timeout(self.config.connect_timeout_ms / 1000):
                     await lookups.acquire()
                     lookup = asyncio.ensure_future(self._resolve(host, port))
-                    lookup.add_done_callback(lambda done: (lookups.release(), done.cancelled() or done.exception()))
+                    lookup.add_done_callback(_release_after(lookups))
                     addresses = await asyncio.shield(lookup)
             except TimeoutError:
                 raise _Refused(504, f"egress to {host}:{port} failed: resolving the name took longer than "
@@ -176,6 +176,17 @@ class EgressProxy:
         if allowed:
             return allowed, next(verdict for _, verdict in verdicts if verdict.allowed)
         return [], verdicts[0][1] if len(verdicts) == 1 else _first_refusal(verdicts)
+
+
+def _release_after(lookups: asyncio.Semaphore) -> Callable[[asyncio.Future[list[IPAddress]]], None]:
+    """The lookup's thread is done: its slot is free (and a failure it raised is retrieved, not warned about)."""
+
+    def done(lookup: asyncio.Future[list[IPAddress]]) -> None:
+        lookups.release()
+        if not lookup.cancelled():
+            lookup.exception()
+
+    return done
 
 
 def _first_refusal(verdicts: list[tuple[IPAddress, Verdict]]) -> Verdict:

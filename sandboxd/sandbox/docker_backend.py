@@ -49,6 +49,7 @@ from sandboxd.sandbox.backend import (
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 from sandboxd.service.peercred import peer_credentials
+from sandboxd.tools.discovery import Tool
 from sandboxd.tools.transpile_cache import CACHE_ENV, Esbuild, extract_esbuild
 from sandboxd.unixsocket import secure_directory
 
@@ -502,7 +503,8 @@ class DockerBackend:
         """Wait for the shim's one connection, or for the sandbox to end first."""
         accept = asyncio.ensure_future(listener.accept())
         try:
-            await asyncio.wait({accept, sandbox.channel.ready}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {accept, sandbox.channel.ready}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not accept.done():
                 accept.cancel()
@@ -565,7 +567,7 @@ class DockerBackend:
         await asyncio.gather(*(self._remove_quiet(c["Id"]) for c in owned))
         return len(owned)
 
-    def entry_path(self, tool: Any) -> str:
+    def entry_path(self, tool: Tool) -> str:
         return container_entry_path(tool)
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ from sandboxd.sandbox.backend import CallRequest, ProgressCallback, SandboxSpec
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
+    from sandboxd.tools.discovery import Tool
 
 Handler = Callable[[CallRequest, ProgressCallback, asyncio.Event], Awaitable[dict[str, Any]]]
 
@@ -149,7 +150,7 @@ class FakeBackend:
     async def preflight(self) -> None:
         pass
 
-    def entry_path(self, tool: Any) -> str:
+    def entry_path(self, tool: Tool) -> str:
         return str(tool.entry)
 
     async def esbuild(self, directory: Any) -> None:

@@ -253,8 +253,9 @@ def email_dir(db: Path, root: Path | None, uid: int, warnings: list[str]) -> str
     """
     directory = db.parent
     inside = root is not None and directory.is_relative_to(root)
+    base = root if root is not None and inside else directory.parent
     try:
-        fd, checked = open_beneath(root if inside else directory.parent, directory, "dir",
+        fd, checked = open_beneath(base, directory, "dir",
                                    flags=os.O_RDONLY | os.O_DIRECTORY, create_mode=0o700 if inside else None)
     except FileNotFoundError:
         return None  # no folder (yet): nothing at /officer/data

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from sandboxd.config import REPO_ROOT, SandboxConfig
 from sandboxd.errors import BackendUnavailable, SandboxFailed
 from sandboxd.sandbox.backend import SandboxSpec, sandbox_env
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
+from sandboxd.tools.discovery import Tool
 
 SHIM_MAIN = REPO_ROOT / "images" / "node" / "shim" / "src" / "main.js"
 UNSANDBOXED_NOTE = "UNSANDBOXED: the process backend runs tools as local node processes with your own rights"
@@ -167,7 +168,7 @@ class ProcessBackend:
     def reconfigure(self, config: SandboxConfig) -> None:
         pass  # no sandbox settings apply to local processes
 
-    def entry_path(self, tool: Any) -> str:
+    def entry_path(self, tool: Tool) -> str:
         return str(tool.entry)
 
     async def esbuild(self, directory: Any) -> None:

@@ -40,7 +40,7 @@ log = get_logger("sandboxd.calls")
 
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
-_ERROR_STATUS = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
+_ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
 
 
 class _Timeout(Exception):
@@ -431,7 +431,7 @@ class ConnectionCalls:
             # the call is in flight from now, so that a cancel, a disconnect or a reused id finds it.
             call = None
         assert isinstance(params, dict)  # check() refused anything else
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
         ctx = CallContext(request_id)
         self._by_id[request_id] = ctx
         self._calls.in_flight.add(ctx)

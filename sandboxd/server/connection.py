@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, cast
 
 from sandboxd.errors import PeerRefused
 from sandboxd.lines import LineBuffer
@@ -99,8 +99,9 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        refusal = self._edge.refusal(transport.get_extra_info("socket"))
+        # A stream socket's (uvloop's transports are not asyncio.Transport subclasses, only alike).
+        self.transport = cast(asyncio.Transport, transport)
+        refusal = self._edge.refusal(self.transport.get_extra_info("socket"))
         if refusal is not None:
             # One error line, then the door: a refused peer never reaches dispatch.
             self.closed = self._refused = True

@@ -320,7 +320,7 @@ class Server:
             self.pool.warm(user)
 
         async def listed() -> dict[str, Any]:
-            tools = await self.catalog.list_async(user)  # any scan runs in a worker thread
+            tools = await self.catalog.tools_async(user)  # any scan runs in a worker thread
             return {"tools": [tool.to_protocol() for tool in tools]}
 
         return listed()

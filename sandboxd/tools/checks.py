@@ -139,9 +139,10 @@ def _find_exports(root: Node) -> _Exports:
 
 
 def _is_module_exports(node: Node | None) -> bool:
-    return (node is not None and node.type == "member_expression"
-            and _text(node.child_by_field_name("object")) == "module"
-            and node.child_by_field_name("object").type == "identifier"
+    if node is None or node.type != "member_expression":
+        return False
+    obj = node.child_by_field_name("object")
+    return (obj is not None and obj.type == "identifier" and _text(obj) == "module"
             and _text(node.child_by_field_name("property")) == "exports")
 
 
@@ -328,8 +329,9 @@ def _imported_from(root: Node, local: str) -> tuple[str, str] | None:
             if node.type == "import_specifier":
                 name = node.child_by_field_name("name")
                 alias = node.child_by_field_name("alias") or name
-                if _name_of(alias) == local:
-                    return _string_value(statement.child_by_field_name("source")), _name_of(name)
+                source = statement.child_by_field_name("source")
+                if _name_of(alias) == local and source is not None:
+                    return _string_value(source), _name_of(name)
     return None
 
 
@@ -536,11 +538,13 @@ def _inside_function(node: Node) -> bool:
 def _member_path(node: Node) -> str | None:
     """``console.log`` for a member chain on a free name; None for anything else (``a.console.log``, calls)."""
     parts: list[str] = []
-    while node.type == "member_expression":
-        parts.append(_text(node.child_by_field_name("property")))
-        node = node.child_by_field_name("object")
-        if node is None:
-            return None
+    current: Node | None = node
+    while current is not None and current.type == "member_expression":
+        parts.append(_text(current.child_by_field_name("property")))
+        current = current.child_by_field_name("object")
+    if current is None:
+        return None
+    node = current
     if node.type != "identifier":
         return None
     return ".".join([_text(node), *reversed(parts)])
@@ -606,7 +610,7 @@ def _prints_in(execute: Node) -> list[tuple[Node, str]]:
 
 def _escaping_throws(execute: Node) -> list[Node]:
     """throw statements of execute itself (not of functions inside it) that no try block encloses."""
-    found = []
+    found: list[Node] = []
     body = execute.child_by_field_name("body")
     if body is None:
         return found

@@ -206,7 +206,7 @@ def _stat_key(path: str) -> _StatKey:
 
 # get() (every tools/call) checks the root's entry list and the called tool's own
 # files; the rest of the root (another TOOL.md renamed in place to the same name)
-# is checked fully at least this often. list() always checks everything.
+# is checked fully at least this often. tools() always checks everything.
 _FULL_CHECK_INTERVAL_S = 1.0
 
 
@@ -302,12 +302,12 @@ class ToolCatalog:
 
     # -- synchronous: scans on the calling thread ---------------------------------------------
 
-    def list(self, user: str | None = None) -> list[Tool]:
+    def tools(self, user: str | None = None) -> list[Tool]:
         """The user's tools (global ones when user is None), sorted by name; user tools override global ones."""
         return self.scan(user)[0]
 
     def get(self, name: str, user: str | None = None) -> Tool | None:
-        """One tool as list() would have it."""
+        """One tool as tools() would have it."""
         for root, source in reversed(self._roots(user)):  # the user's tools override global ones
             tool = self._snapshot(root, source, wanted=name).by_name.get(name)
             if tool is not None:
@@ -315,7 +315,7 @@ class ToolCatalog:
         return None
 
     def scan(self, user: str | None = None) -> tuple[list[Tool], list[Skipped]]:
-        """The tools as in list(), and the directories that are not usable tools, with why."""
+        """The tools as in tools(), and the directories that are not usable tools, with why."""
         return _merge([self._snapshot(root, source) for root, source in self._roots(user)])
 
     # -- for the event loop ---------------------------------------------------------------------
@@ -353,7 +353,7 @@ class ToolCatalog:
         since = time.monotonic()
         return _merge([await self._snapshot_async(root, source, since) for root, source in self._roots(user)])
 
-    async def list_async(self, user: str | None = None) -> list[Tool]:
+    async def tools_async(self, user: str | None = None) -> list[Tool]:
         return (await self.scan_async(user))[0]
 
     def roots(self, user: str | None) -> list[tuple[Path, Source]]:

@@ -23,7 +23,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 import yaml
 
@@ -36,7 +36,8 @@ MAX_MANIFEST_BYTES = 1 << 20  # a user's TOOL.md is read by the daemon: bound th
 # parse to milliseconds by construction; PARSE_TIME_LIMIT_S is the second line.
 MAX_FRONTMATTER_BYTES = 64 << 10
 MAX_NAME_LENGTH = 64  # model APIs refuse longer tool names
-INPUT_TYPES = ("string", "number", "boolean", "enum")
+InputType = Literal["string", "number", "boolean", "enum"]
+INPUT_TYPES: tuple[InputType, ...] = get_args(InputType)
 LANGUAGES = ("typescript", "bash", "python")
 TOP_LEVEL_KEYS = ("name", "label", "description", "version", "language", "inputs")
 INPUT_KEYS = ("type", "description", "optional", "sensitive", "values", "default")
@@ -60,7 +61,7 @@ NO_DEFAULT = _NoDefault.NO_DEFAULT
 @dataclass(frozen=True)
 class Input:
     name: str
-    type: Literal["string", "number", "boolean", "enum"]
+    type: InputType
     description: str
     optional: bool = False
     sensitive: bool = False
@@ -439,7 +440,7 @@ class _ManifestChecker:
                 self._unknown_input_key(field, key)
         if not (name_ok and kind and description and (kind != "enum" or values)):
             return None
-        return Input(name=name, type=kind, description=description, optional=optional, sensitive=sensitive,
+        return Input(name=name, type=cast(InputType, kind), description=description, optional=optional, sensitive=sensitive,
                      values=values, default=default)
 
     def _input_type(self, field: str, spec: dict[Any, Any]) -> str:

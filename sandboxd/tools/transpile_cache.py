@@ -228,7 +228,7 @@ _VERSION_DIR = re.compile(r"\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?")
 def remove_other_versions(data_path: Path, esbuild_version: str) -> list[str]:
     """The caches of other esbuild versions (an image since replaced): no shim can hit them any more."""
     parent = cache_dir(data_path, esbuild_version).parent
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(parent))
     except FileNotFoundError:

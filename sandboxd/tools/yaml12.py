@@ -47,7 +47,9 @@ class ManifestLoader(yaml.SafeLoader):
             raise ParseTimeout(f"reading the frontmatter took longer than {PARSE_TIME_LIMIT_S:g} s")
         self._depth += 1
         try:
-            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+            node = super().compose_node(parent, index)
+            assert node is not None  # pyyaml types it Optional; a composed node always is one
+            return node
         finally:
             self._depth -= 1
 

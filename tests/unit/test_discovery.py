@@ -59,7 +59,7 @@ def test_a_missing_data_path_has_no_tools(data: Path) -> None:
 def test_global_tools_are_listed_by_name(data: Path) -> None:
     for dirname in ("zeta", "alpha", "mid"):
         write_tool(global_root(data), dirname)
-    tools = ToolCatalog(data).list()
+    tools = ToolCatalog(data).tools()
     assert names(tools) == ["alpha", "mid", "zeta"]
     assert {tool.source for tool in tools} == {"global"}
     assert tools[0].dir == global_root(data) / "alpha" and tools[0].entry == global_root(data) / "alpha/index.ts"
@@ -71,7 +71,7 @@ def test_user_tools_are_added_and_override_global_ones(data: Path) -> None:
     write_tool(user_root(data), "shared", version=7)
     write_tool(user_root(data), "mine")
     catalog = ToolCatalog(data)
-    tools = catalog.list(USER)
+    tools = catalog.tools(USER)
     assert [(t.name, t.source) for t in tools] == [("mine", "user"), ("only_global", "global"), ("shared", "user")]
     assert catalog.get("shared", USER).manifest.version == 7
     assert catalog.get("shared").manifest.version == 1  # without a user, only global tools
@@ -86,12 +86,12 @@ def test_get_an_unknown_tool_is_none(data: Path) -> None:
 @pytest.mark.parametrize("user", ["not-an-email", "../etc@x", "", "a" * 251 + "@b.c"])
 def test_a_malformed_user_is_invalid_params(data: Path, user: str) -> None:
     with pytest.raises(InvalidParams):
-        ToolCatalog(data).list(user)
+        ToolCatalog(data).tools(user)
 
 
 def test_to_protocol_is_the_protocol_tool_object(data: Path) -> None:
     write_tool(global_root(data), "hello")
-    tool = ToolCatalog(data).list()[0]
+    tool = ToolCatalog(data).tools()[0]
     assert tool.to_protocol() == {
         "name": "hello", "label": "hello", "description": "Does things.", "version": 1, "language": "typescript",
         "source": "global",
@@ -105,7 +105,7 @@ def test_to_protocol_is_the_protocol_tool_object(data: Path) -> None:
 
 def test_to_protocol_hands_out_copies_of_the_schema(data: Path) -> None:
     write_tool(global_root(data), "hello")
-    tool = ToolCatalog(data).list()[0]
+    tool = ToolCatalog(data).tools()[0]
     tool.to_protocol()["inputSchema"]["required"].append("oops")
     assert tool.schema["required"] == ["q"]
 
@@ -117,7 +117,7 @@ def test_index_ts_is_preferred_over_index_js(data: Path) -> None:
     tool_dir = write_tool(global_root(data), "both")
     (tool_dir / "index.js").write_text("")
     write_tool(global_root(data), "js_only", entry="index.js")
-    tools = ToolCatalog(data).list()
+    tools = ToolCatalog(data).tools()
     assert [t.entry.name for t in tools] == ["index.ts", "index.js"]
 
 
@@ -146,8 +146,8 @@ def test_hidden_directories_and_plain_files_are_ignored_silently(data: Path) -> 
     write_tool(global_root(data), ".hidden", entry=None)
     (global_root(data) / "README.md").write_text("notes")
     write_tool(global_root(data), "hello")
-    assert ToolCatalog(data).scan() == (ToolCatalog(data).list(), [])
-    assert names(ToolCatalog(data).list()) == ["hello"]
+    assert ToolCatalog(data).scan() == (ToolCatalog(data).tools(), [])
+    assert names(ToolCatalog(data).tools()) == ["hello"]
 
 
 def test_the_same_name_twice_in_one_root_the_last_directory_wins(data: Path) -> None:
@@ -235,9 +235,9 @@ def test_an_unchanged_tree_is_not_parsed_again(data: Path, parse_count: list[Pat
         write_tool(global_root(data), dirname)
     write_tool(user_root(data), "mine")
     catalog = ToolCatalog(data)
-    first = catalog.list(USER)
+    first = catalog.tools(USER)
     assert len(parse_count) == 4
-    second = catalog.list(USER)
+    second = catalog.tools(USER)
     assert len(parse_count) == 4
     assert second == first and second[0].schema is first[0].schema  # the same Tool objects, schema computed once
 
@@ -246,9 +246,9 @@ def test_an_edited_tool_is_parsed_again_and_seen(data: Path, parse_count: list[P
     write_tool(global_root(data), "a")
     write_tool(global_root(data), "b")
     catalog = ToolCatalog(data)
-    catalog.list()
+    catalog.tools()
     write_tool(global_root(data), "b", description="Now does other things.")
-    tools = catalog.list()
+    tools = catalog.tools()
     assert parse_count[2:] == [global_root(data) / "b" / "TOOL.md"]
     assert tools[1].manifest.description == "Now does other things."
 
@@ -256,7 +256,7 @@ def test_an_edited_tool_is_parsed_again_and_seen(data: Path, parse_count: list[P
 def test_an_edit_keeping_size_and_inode_is_seen_by_its_mtime(data: Path, parse_count: list[Path]) -> None:
     tool_dir = write_tool(global_root(data), "a", version=1)
     catalog = ToolCatalog(data)
-    catalog.list()
+    catalog.tools()
     manifest = tool_dir / "TOOL.md"
     inode = manifest.stat().st_ino
     with manifest.open("r+") as file:  # in place: same inode, same size
@@ -266,26 +266,26 @@ def test_an_edit_keeping_size_and_inode_is_seen_by_its_mtime(data: Path, parse_c
     info = manifest.stat()
     os.utime(manifest, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000))
     assert manifest.stat().st_ino == inode
-    assert catalog.list()[0].manifest.version == 2 and len(parse_count) == 2
+    assert catalog.tools()[0].manifest.version == 2 and len(parse_count) == 2
 
 
 def test_added_and_removed_tools_are_seen_without_a_restart(data: Path, parse_count: list[Path]) -> None:
     write_tool(global_root(data), "a")
     catalog = ToolCatalog(data)
-    assert names(catalog.list()) == ["a"]
+    assert names(catalog.tools()) == ["a"]
     write_tool(user_root(data), "new")
-    assert names(catalog.list(USER)) == ["a", "new"]
+    assert names(catalog.tools(USER)) == ["a", "new"]
     (user_root(data) / "new" / "index.ts").unlink()
-    assert names(catalog.list(USER)) == ["a"]
+    assert names(catalog.tools(USER)) == ["a"]
     assert len(parse_count) == 2  # removing the entry file needs no re-parse
 
 
 def test_a_manifest_that_gets_fixed_comes_back(data: Path) -> None:
     write_tool(global_root(data), "a", manifest="---\nname: a\n---\n")
     catalog = ToolCatalog(data)
-    assert catalog.list() == []
+    assert catalog.tools() == []
     write_tool(global_root(data), "a")
-    assert names(catalog.list()) == ["a"]
+    assert names(catalog.tools()) == ["a"]
 
 
 def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
@@ -294,7 +294,7 @@ def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
     catalog = ToolCatalog(data)
 
     def list_ten_times() -> list[list[str]]:
-        return [names(catalog.list()) for _ in range(10)]
+        return [names(catalog.tools()) for _ in range(10)]
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(list_ten_times) for _ in range(8)]
@@ -329,10 +329,10 @@ def test_an_unchanged_root_is_answered_without_a_scan(data: Path, scan_count: li
     write_tool(global_root(data), "a")
     write_tool(global_root(data), "b")
     catalog = ToolCatalog(data)
-    first = catalog.list(USER)  # the user has no tools directory: that answer is kept too
+    first = catalog.tools(USER)  # the user has no tools directory: that answer is kept too
     assert len(scan_count) == 2
     for _ in range(3):
-        assert catalog.list(USER) == first and catalog.get("b", USER) is first[1]
+        assert catalog.tools(USER) == first and catalog.get("b", USER) is first[1]
     assert len(scan_count) == 2
 
 
@@ -341,7 +341,7 @@ def test_an_unchanged_root_is_answered_without_a_scan(data: Path, scan_count: li
 def test_every_change_a_scan_would_see_ends_the_snapshot(data: Path, scan_count: list[Path], change: str) -> None:
     tool_dir = write_tool(global_root(data), "a", entry="index.js")
     catalog = ToolCatalog(data)
-    catalog.list(USER)
+    catalog.tools(USER)
     manifest = tool_dir / "TOOL.md"
     if change == "edit_in_place":  # same inode and size; only the timestamps move
         text = manifest.read_text()
@@ -358,7 +358,7 @@ def test_every_change_a_scan_would_see_ends_the_snapshot(data: Path, scan_count:
     elif change == "manifest_unreadable":
         manifest.chmod(0)
     before = len(scan_count)
-    tools = catalog.list(USER)
+    tools = catalog.tools(USER)
     assert len(scan_count) > before
     expected = {
         "edit_in_place": lambda: tools[0].manifest.version == 2,
@@ -378,9 +378,9 @@ def test_a_dangling_entry_link_that_gets_a_target_is_seen(data: Path, scan_count
     (global_root(data) / "shared" / "lib").mkdir(parents=True)
     (tool_dir / "index.ts").symlink_to("../shared/lib/impl.ts")
     catalog = ToolCatalog(data)
-    assert catalog.list() == []
+    assert catalog.tools() == []
     (global_root(data) / "shared" / "lib" / "impl.ts").write_text("export async function execute() { return { content: [] }; }\n")
-    assert names(catalog.list()) == ["a"]
+    assert names(catalog.tools()) == ["a"]
 
 
 def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,12 +390,12 @@ def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path,
     monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 3600 * 10**9)
     write_tool(global_root(data), "a")
     catalog = ToolCatalog(data)
-    catalog.list()
+    catalog.tools()
     inspected: list[Path] = []
     real = discovery.inspect_tool_dir
     monkeypatch.setattr(discovery, "inspect_tool_dir", lambda d, *a, **k: (inspected.append(d), real(d, *a, **k))[1])
-    catalog.list()
-    catalog.list()
+    catalog.tools()
+    catalog.tools()
     assert inspected == [global_root(data) / "a"] * 2
 
 
@@ -468,7 +468,7 @@ def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_co
     write_tool(global_root(data), "a")
     write_tool(global_root(data), "b")
     catalog = ToolCatalog(data)
-    catalog.list(USER)
+    catalog.tools(USER)
     stats: list[str] = []
     real = discovery._stat_key
     monkeypatch.setattr(discovery, "_stat_key", lambda path: (stats.append(path), real(path))[1])
@@ -501,7 +501,7 @@ def test_a_user_tools_root_linked_to_another_users_tools_is_refused(data: Path) 
     write_tool(user_root(data, "bob@example.com"), "bobs")
     (data / USER).mkdir(parents=True)
     user_root(data).symlink_to(user_root(data, "bob@example.com"))
-    assert ToolCatalog(data).list(USER) == []
+    assert ToolCatalog(data).tools(USER) == []
 
 
 def test_a_user_tools_root_that_is_a_file_is_refused(data: Path) -> None:
@@ -554,13 +554,13 @@ def test_a_scan_past_its_time_limit_skips_the_rest_and_tries_again(data: Path, m
     tools, skipped = catalog.scan(USER)
     assert tools == [] and "took longer than" in skipped[0].problems[0].message
     monkeypatch.setattr(discovery, "ROOT_SCAN_TIME_LIMIT_S", 5.0)
-    assert names(catalog.list(USER)) == ["a"]  # an incomplete scan is never trusted as it is
+    assert names(catalog.tools(USER)) == ["a"]  # an incomplete scan is never trusted as it is
 
 
 def test_a_tools_list_answer_is_bounded_and_says_what_it_left_out(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for dirname in ("a", "b", "c"):
         write_tool(global_root(data), dirname)
-    one = ToolCatalog(data).list()[0].protocol_bytes
+    one = ToolCatalog(data).tools()[0].protocol_bytes
     monkeypatch.setattr(discovery, "MAX_LIST_BYTES", one * 2 + 1)
     tools, skipped = ToolCatalog(data).scan()
     assert names(tools) == ["a", "b"]
@@ -594,7 +594,7 @@ def test_lookup_never_scans_and_refresh_scans_in_a_worker(data: Path, parse_coun
         assert parse_count == []
         await catalog.refresh(USER, since=arrived)
         assert catalog.lookup("a", USER, since=arrived).name == "a"
-        assert names(await catalog.list_async(USER)) == ["a"]
+        assert names(await catalog.tools_async(USER)) == ["a"]
 
     asyncio.run(main())
     catalog.close()
@@ -608,7 +608,7 @@ def test_concurrent_listings_of_one_root_share_one_scan(data: Path, scan_count: 
     catalog = ToolCatalog(data)
 
     async def main() -> list[list[Tool]]:
-        return await asyncio.gather(*(catalog.list_async(USER) for _ in range(20)))
+        return await asyncio.gather(*(catalog.tools_async(USER) for _ in range(20)))
 
     results = asyncio.run(main())
     catalog.close()
@@ -633,11 +633,11 @@ def test_a_slow_root_does_not_hold_up_another_users_scan(data: Path, monkeypatch
 
     monkeypatch.setattr(discovery, "_parse", parse)
     catalog = ToolCatalog(data)
-    catalog.list()  # the global root, scanned once before the race
+    catalog.tools()  # the global root, scanned once before the race
     with ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(catalog.list, "mallory@example.com")
+        slow = pool.submit(catalog.tools, "mallory@example.com")
         assert entered.wait(5)
-        quick = pool.submit(catalog.list, USER)
+        quick = pool.submit(catalog.tools, USER)
         try:
             assert names(quick.result(timeout=5)) == ["quick"]  # one lock for all roots would wait for mallory
         finally:
@@ -661,14 +661,14 @@ def test_many_listings_of_a_slow_root_take_one_worker_not_all(data: Path, monkey
 
     monkeypatch.setattr(discovery, "_parse", parse)
     catalog = ToolCatalog(data)
-    catalog.list()
+    catalog.tools()
 
     async def main() -> None:
-        slow = [asyncio.ensure_future(catalog.list_async("mallory@example.com")) for _ in range(10)]
+        slow = [asyncio.ensure_future(catalog.tools_async("mallory@example.com")) for _ in range(10)]
         await asyncio.sleep(0.1)
         try:
             # Ten waiting requests for mallory's root must not fill the worker pool.
-            assert names(await asyncio.wait_for(catalog.list_async(USER), 5)) == ["quick"]
+            assert names(await asyncio.wait_for(catalog.tools_async(USER), 5)) == ["quick"]
         finally:
             release.set()
         assert all(names(result) == ["slow"] for result in await asyncio.gather(*slow))
@@ -681,8 +681,8 @@ def test_endless_users_without_tools_do_not_grow_the_caches(data: Path, monkeypa
     monkeypatch.setattr(discovery, "_MAX_CACHED_ROOTS", 10)
     write_tool(user_root(data), "mine")
     catalog = ToolCatalog(data)
-    assert names(catalog.list(USER)) == ["mine"]
+    assert names(catalog.tools(USER)) == ["mine"]
     for index in range(50):
-        assert catalog.list(f"user{index}@example.com") == []
+        assert catalog.tools(f"user{index}@example.com") == []
     assert len(catalog._snapshots) <= 11 and len(catalog._root_locks) <= 11
     assert user_root(data) in catalog._snapshots  # a root with tools keeps its scan

@@ -135,14 +135,14 @@ def test_global_tools_that_change_ask_for_a_refill_and_user_tools_do_not(tmp_pat
     shutil.copytree(tools_root(tmp_path), data / "tools")
     asked: list[int] = []
     catalog = ToolCatalog(data, on_global_change=lambda: asked.append(1))
-    catalog.list("a@example.com")
+    catalog.tools("a@example.com")
     assert len(asked) == 1  # the first scan
     (data / "a@example.com" / "tools" / "mine").mkdir(parents=True)
     (data / "a@example.com" / "tools" / "mine" / "TOOL.md").write_text("---\nname: mine\n---\n")
-    catalog.list("a@example.com")
+    catalog.tools("a@example.com")
     assert len(asked) == 1
     (data / "tools" / "new").mkdir()
-    catalog.list("a@example.com")
+    catalog.tools("a@example.com")
     assert len(asked) == 2
 
 
