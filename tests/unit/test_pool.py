@@ -610,3 +610,81 @@ def test_the_reserve_default_is_an_eighth_of_the_pool_and_must_leave_room() -> N
     assert PoolConfig(max_total=10, reserve=3).reserved == 3
     with pytest.raises(ValueError, match="must be below max_total"):
         PoolConfig(max_total=4, reserve=4)
+
+
+# -- properties over random interleavings -------------------------------------------------------
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+USERS = ("a@x.io", "b@x.io", "c@x.io", "d@x.io")
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(USERS)),
+    st.tuples(st.just("release"), st.integers(0, 20), st.booleans()),  # which held sandbox, reusable
+    st.tuples(st.just("cancel"), st.integers(0, 20)),  # which waiting caller
+), max_size=40)
+
+
+def check_invariants(pool: Pool) -> None:
+    cfg = pool.config
+    assert len(pool._sandboxes) <= cfg.max_total
+    for user, mine in pool._of_user.items():
+        assert len(mine) <= cfg.max_per_user and all(p.user == user for p in mine)
+    held_total = sum(1 for p in pool._sandboxes if p.state in (State.BUSY, State.STARTING))
+    # Each sandbox beyond a user's first was granted below the ceiling, and no release adds one.
+    extras = sum(max(0, sum(1 for p in mine if p.state in (State.BUSY, State.STARTING)) - 1)
+                 for mine in pool._of_user.values())
+    assert extras <= cfg.max_total - cfg.reserved, repr(pool)
+    for waiter in pool._waiters:
+        if waiter.future.done():
+            continue
+        held = sum(1 for p in pool._of_user.get(waiter.user, ()) if p.state in (State.BUSY, State.STARTING))
+        idle = [p for p in pool._of_user.get(waiter.user, ()) if p.state is State.IDLE and p.sandbox is not None
+                and p.sandbox.alive and not p.spent]
+        blocked_by_reserve = held > 0 and held_total >= cfg.max_total - cfg.reserved
+        # Work-conserving: a caller never waits beside an idle sandbox of their own it may take.
+        assert not idle or blocked_by_reserve, (waiter.user, repr(pool))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, reserve=st.integers(0, 2), per_user=st.integers(1, 5))
+@example(ops=[("acquire", "a@x.io")] * 5 + [("acquire", "b@x.io")], reserve=2, per_user=5)  # the reserve
+@example(ops=[("acquire", u) for u in USERS for _ in range(2)] + [("release", 0, True)], reserve=1, per_user=2)
+def test_any_interleaving_keeps_the_limits_serves_idle_sandboxes_and_ends_with_everyone_served(
+        ops: list[tuple[Any, ...]], reserve: int, per_user: int) -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=1, max_per_user=per_user, max_total=5, reserve=reserve, acquire_timeout_ms=60_000,
+                         max_calls_per_sandbox=4)
+        callers: list[asyncio.Future[Any]] = []
+        held: list[Any] = []
+        for op in ops:
+            if op[0] == "acquire":
+                callers.append(asyncio.ensure_future(pool.acquire(op[1])))
+            elif op[0] == "release" and held:
+                pool.release(held.pop(op[1] % len(held)), reusable=op[2])
+            elif op[0] == "cancel":
+                waiting = [c for c in callers if not c.done()]
+                if waiting:
+                    waiting[op[1] % len(waiting)].cancel()
+            await settle()
+            for caller in [c for c in callers if c.done()]:
+                callers.remove(caller)
+                if not caller.cancelled():
+                    held.append(caller.result())
+            check_invariants(pool)
+        # Everyone still waiting is served once the others give their sandboxes back.
+        for _ in range(100):
+            while held:
+                pool.release(held.pop(), reusable=True)
+            await asyncio.sleep(0.001)
+            for caller in [c for c in callers if c.done()]:
+                callers.remove(caller)
+                held.append(caller.result())
+            if not callers and not held:
+                break
+        assert not callers, repr(pool)
+        await pool.close(grace=0)
+        assert backend.sandboxes == {}
+
+    run(main())
