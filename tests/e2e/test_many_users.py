@@ -295,6 +295,9 @@ def test_a_client_calling_a_failing_tool_in_a_loop_costs_the_log_a_bounded_amoun
             assert result["status"] == "error" and "the database is on fire" in result["content"][0]["text"]
             calls += 1
         status = client.request("sandbox/status")
+        if status["calls"].get("error") != calls:  # the last call is counted just after its answer
+            time.sleep(0.1)
+            status = client.request("sandbox/status")
     logged = daemon.events("call", user="looper@example.com")
     _report("a client calling a failing tool for 5 s", calls=calls, logged=len(logged))
     assert status["calls"]["error"] == calls
@@ -331,4 +334,6 @@ def test_a_client_pipelining_thousands_of_requests_does_not_hold_the_loop(make_d
     _report("a client pipelining 50,000 pings", bystander_ping_p99_ms=round(ping_p99, 2),
             bystander_ping_max_ms=round(ping_max, 2), answered=answers.count(b"\n"))
     assert answers.count(b"\n") == count
-    assert ping_max <= 100 and ping_p99 <= 10, (ping_p99, ping_max)
+    # Without the turns: p99 88-96 ms, max 103-115 ms; with them 5 ms (11 ms at most) on a quiet
+    # machine. The bound leaves room for a busy one.
+    assert ping_p99 <= 30 and ping_max <= 60, (ping_p99, ping_max)
