@@ -12,6 +12,7 @@ import grp
 import ipaddress
 import os
 import pwd
+import ssl
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sandboxd import __version__
 from sandboxd.egress.policy import AllowEntry
+from sandboxd.egress.secrets import parse_secret_hosts
 from sandboxd.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
@@ -235,12 +237,31 @@ class EgressConfig(_Section):
     # The host's way out is shared: 128 MiB/s (~1 Gbit/s) is eight sandboxes at their full rate.
     total_rate_bytes: int | None = Field(128 << 20, ge=1 << 16, description="Bytes per second all sandboxes together may move through the egress proxy; each sandbox moving data gets an equal share of it (at most rate_bytes); null = no daemon-wide cap.")
     connect_rate: float = Field(50.0, gt=0, description="New egress connections a second one sandbox may open (a second's worth at once); more wait in the kernel's queue of egress.sock, then fail at once in the sandbox.")
+    secrets: dict[str, list[str]] = Field(default_factory=dict, description="Call env names whose values sandboxes never hold: NAME → the hosts the value belongs to (entries as egress.allow writes them). The sandbox gets a stand-in; the egress proxy puts the real value in the headers and query of requests to those hosts only.")
+    ca_file: Path | None = Field(None, description="A PEM file of CA certificates the egress proxy trusts besides the host's own, when it makes the TLS connection to a secret's host itself.")
 
     @field_validator("allow", mode="after")
     @classmethod
     def _entries(cls, value: list[str]) -> list[str]:
         for item in value:
             AllowEntry.parse(item)  # ValueError naming the entry
+        return value
+
+    @field_validator("secrets", mode="after")
+    @classmethod
+    def _secret_hosts(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, hosts in value.items():
+            parse_secret_hosts(name, hosts)  # ValueError naming the secret and the entry
+        return value
+
+    @field_validator("ca_file", mode="after")
+    @classmethod
+    def _readable_ca_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            try:
+                ssl.create_default_context(cafile=str(value))
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"{value} is not a readable PEM file of CA certificates ({exc})") from None
         return value
 
     @field_validator("ports", mode="after")
@@ -345,6 +366,14 @@ class Config(_Section):
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
         return value.expanduser().absolute() if value is not None else None
+
+    @model_validator(mode="after")
+    def _secrets_are_call_env(self) -> Config:
+        for name in self.egress.secrets:
+            if name not in self.calls.allowed_env:
+                raise ValueError(f"egress.secrets names {name}, which calls.allowed_env does not list: a call could "
+                                 f"never set it; add {name} to calls.allowed_env or remove it from egress.secrets")
+        return self
 
     @model_validator(mode="after")
     def _email_db_outside_user_data(self) -> Config:

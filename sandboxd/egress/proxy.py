@@ -7,7 +7,11 @@ says. One request per connection, in HTTP/1.1 proxy form:
 
 - ``CONNECT host:port`` (HTTPS, and everything the shim tunnels) → 200, then bytes;
 - an absolute-form request ``GET http://host[:port]/path`` (what curl and Python's
-  urllib send for http:// through ``http_proxy``) → forwarded with ``Connection: close``.
+  urllib send for http:// through ``http_proxy``) → forwarded with ``Connection: close``;
+- ``GET https://host[:port]/path`` in absolute form, plaintext on the socket, for the
+  hosts of ``egress.secrets`` only (the shim sends their requests so): the proxy makes the
+  TLS connection itself, verifying the certificate against the host's trust store (and
+  ``egress.ca_file``), so that it can put the secrets' values in (egress/secrets.py).
 
 The name is resolved here, every address checked (egress/policy.py), and the
 connection made to a checked address only. A refusal answers 403 with
@@ -24,6 +28,7 @@ import concurrent.futures
 import ipaddress
 import os
 import socket
+import ssl
 import time
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -32,6 +37,7 @@ from sandboxd.config import EgressConfig
 from sandboxd.egress.addresses import SCOPED
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
 from sandboxd.egress.relay import Relay
+from sandboxd.egress.secrets import Rewrite, StandIns, names_host, parse_secret_hosts
 from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import EgressContext
 from sandboxd.service.peercred import peer_credentials
@@ -63,6 +69,8 @@ class _Refused(Exception):
         self.status, self.message, self.reason = status, message, reason
 
 
+TLS_READ_BYTES = 64 << 10
+
 _REASONS = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 503: "Service Unavailable",
             504: "Gateway Timeout"}
 
@@ -84,8 +92,8 @@ class EgressProxy:
         self._host_addresses: frozenset[IPAddress] = frozenset()
         self._host_addresses_at = float("-inf")
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (decision, reason) → count
-        self.config = config
-        self.policy = self._policy(config)
+        self.secret_uses: collections.Counter[str] = collections.Counter()  # egress.secrets name → substitutions
+        self.reconfigure(config)
         self._moving: dict[object, float] = {}  # each sandbox's budget → when it last moved bytes
         self._share, self._share_at = float(config.rate_bytes), float("-inf")
 
@@ -101,6 +109,13 @@ class EgressProxy:
     def reconfigure(self, config: EgressConfig) -> None:
         """A new policy for requests from now on (tunnels already open stay)."""
         self.config, self.policy = config, self._policy(config)
+        # The hosts whose https:// requests the proxy makes itself (the TLS its own).
+        self.secret_hosts = tuple(entry for name, hosts in config.secrets.items()
+                                  for entry in parse_secret_hosts(name, hosts))
+        self.tls = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
+        if config.ca_file:  # besides the host's own trust store, which cafile= alone would replace
+            self.tls.load_default_certs()
+        self.tls.set_alpn_protocols(["http/1.1"])
 
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession:
         return EgressSession(self, user, sandbox_id, context)
@@ -300,7 +315,10 @@ class EgressSession:
                                               f"{HEAD_TIMEOUT_S:g} s")
             return
         try:
-            method, host, port, forward = _parse(head)
+            method, scheme, host, port, forward = _parse(head)
+            if scheme == "https" and not names_host(self._proxy.secret_hosts, host, port, self._proxy.policy.ports):
+                raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
+                                 "https:// request (only egress.secrets hosts are fetched so)")
         except ValueError as exc:
             await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
@@ -320,14 +338,18 @@ class EgressSession:
             self._record("failed", refused.reason, host, port, addresses[0])
             await _reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
             return
-        self._record("allowed", verdict.reason, host, port, address)
+        rewrite = self._context()[2].rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
+        if scheme == "https":
+            await self._serve_tls(conn, upstream, host, port, address, verdict, rewrite, early)
+            return
+        self._record("allowed", verdict.reason, host, port, address, rewrite)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
                 if method == "CONNECT":
                     await loop.sock_sendall(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-                else:
-                    early = forward + early
+                elif rewrite is not None:
+                    early = rewrite.head + early
                 if early:  # what the sandbox sent after its head (a TLS hello, a request body)
                     await loop.sock_sendall(upstream, early)
             await Relay(conn, upstream, self.budget, config.idle_timeout_s).run()
@@ -336,13 +358,72 @@ class EgressSession:
         finally:
             upstream.close()
 
-    def _record(self, decision: str, reason: str, host: str | None, port: int, address: IPAddress | None) -> None:
-        tool, secrets = self._context()
+    async def _serve_tls(self, conn: socket.socket, upstream: socket.socket, host: str, port: int,
+                         address: IPAddress, verdict: Verdict, rewrite: Rewrite | None, early: bytes) -> None:
+        """An absolute-form https:// request: TLS to the origin (its certificate verified for ``host``), the
+        head as rewritten, then both ways until the answer ends. Bytes pass through Python here, not splice."""
+        assert rewrite is not None
+        config = self._proxy.config
+        try:
+            async with asyncio.timeout(config.connect_timeout_ms / 1000):
+                reader, writer = await asyncio.open_connection(sock=upstream, ssl=self._proxy.tls, server_hostname=host)
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            upstream.close()
+            why = "the TLS handshake took too long" if isinstance(exc, TimeoutError) else _tls_failure(exc)
+            self._record("failed", "tls failed", host, port, address)
+            await _reply(conn, 502, "failed", f"egress to {host}:{port} failed: {why}")
+            return
+        self._record("allowed", verdict.reason, host, port, address, rewrite)
+        loop = asyncio.get_running_loop()
+        idle = config.idle_timeout_s
+
+        async def request() -> None:
+            data = rewrite.head + early
+            while data:
+                await self._paced(len(data))
+                writer.write(data)
+                await writer.drain()
+                data = await loop.sock_recv(conn, TLS_READ_BYTES)
+
+        sending = asyncio.ensure_future(request())
+        try:
+            while True:
+                async with asyncio.timeout(idle):
+                    data = await reader.read(TLS_READ_BYTES)
+                if not data:
+                    break
+                await self._paced(len(data))
+                async with asyncio.timeout(idle):
+                    await loop.sock_sendall(conn, data)
+            conn.shutdown(socket.SHUT_WR)
+        except (TimeoutError, OSError, ssl.SSLError):
+            pass
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+            writer.close()
+
+    async def _paced(self, size: int) -> None:
+        """Spend ``size`` bytes of the sandbox's egress budget, waiting first if it is short."""
+        wait = self.budget.refill_time(size)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.budget.spend(size)
+
+    def _record(self, decision: str, reason: str, host: str | None, port: int, address: IPAddress | None,
+                rewrite: Rewrite | None = None) -> None:
+        tool, secrets, _ = self._context()
         self._proxy.decisions[(decision, _reason_label(reason))] += 1
+        named = {}  # never the values: the names of the secrets put in, and of stand-ins sent elsewhere
+        if rewrite is not None and rewrite.substituted:
+            named["secrets"] = list(rewrite.substituted)
+            self._proxy.secret_uses.update(rewrite.substituted)
+        if rewrite is not None and rewrite.misdirected:
+            named["stand_ins_misdirected"] = list(rewrite.misdirected)
         with masking(secrets):  # a tool could put its token in a host name
             log.info("egress", user=self.user, sandbox=self.sandbox_id, tool=tool, host=host, port=port,
                      address=str(address) if address is not None else None, decision=decision, reason=reason,
-                     budget=source("sandbox", self.sandbox_id))
+                     **named, budget=source("sandbox", self.sandbox_id))
 
 
 class _Malformed(Exception):
@@ -424,8 +505,14 @@ def _reason_label(reason: str) -> str:
     return reason.split(" (")[0].split(", ")[0].split(":")[0]
 
 
-def _parse(head: bytes) -> tuple[str, str, int, bytes]:
-    """(method, host, port, the request to forward or b"") from a request head; ValueError says what is wrong."""
+def _tls_failure(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"its TLS certificate was not accepted ({exc.verify_message}); egress.ca_file adds a CA to trust"
+    return f"the TLS connection failed ({exc})"
+
+
+def _parse(head: bytes) -> tuple[str, str, str, int, bytes]:
+    """(method, scheme, host, port, the request to forward or b"") from a request head; ValueError says what is wrong."""
     lines = head[:-4].split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
@@ -438,13 +525,12 @@ def _parse(head: bytes) -> tuple[str, str, int, bytes]:
             raise ValueError(f"header line {line[:200]!r} is malformed (or folded)")
     if method == "CONNECT":
         host, port = _authority(target)
-        return method, host, port, b""
+        return method, "", host, port, b""
     url = urlsplit(target)
-    if url.scheme == "https":
-        raise ValueError(f"{target[:200]!r}: https goes through CONNECT host:443, not an absolute https:// request")
-    if url.scheme != "http" or not url.netloc:
+    if url.scheme not in ("http", "https") or not url.netloc:
         raise ValueError(f"{target[:200]!r} is neither CONNECT host:port nor an absolute http:// URL")
-    host, port = _authority(url.netloc if ":" in url.netloc.rsplit("]", 1)[-1] else f"{url.netloc}:80")
+    default_port = 443 if url.scheme == "https" else 80
+    host, port = _authority(url.netloc if ":" in url.netloc.rsplit("]", 1)[-1] else f"{url.netloc}:{default_port}")
     path = url.path or "/"
     if url.query:
         path += "?" + url.query
@@ -452,7 +538,7 @@ def _parse(head: bytes) -> tuple[str, str, int, bytes]:
     if not any(line.split(b":", 1)[0].strip().lower() == b"host" for line in headers):
         headers.insert(0, b"Host: " + url.netloc.encode())
     forward = b"\r\n".join([f"{method} {path} HTTP/1.1".encode(), *headers, b"Connection: close", b"", b""])
-    return method, host, port, forward
+    return method, url.scheme, host, port, forward
 
 
 def _authority(text: str) -> tuple[str, int]:

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
+    from sandboxd.egress.secrets import StandIns
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.transpile_cache import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
-# What a sandbox is doing, for the egress log: the running tool (None when idle) and the
-# secrets its output is masked against.
-EgressContext = Callable[[], "tuple[str | None, frozenset[str]]"]
+# What a sandbox is doing, for the egress proxy: the running tool (None when idle), the
+# secrets its output is masked against, and the running call's stand-ins (egress.secrets).
+EgressContext = Callable[[], "tuple[str | None, frozenset[str], StandIns]"]
 
 
 class EgressSession(Protocol):
@@ -120,6 +121,9 @@ class CallRequest:
     # and the tool's name for what the sandbox logs meanwhile (egress).
     output_limits: OutputLimits = OutputLimits()
     tool: str = ""
+    # The real values behind the stand-ins in ``env`` (egress.secrets): sent only as the hosts
+    # whose requests the shim must let the egress proxy read.
+    stand_ins: StandIns | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -128,6 +132,7 @@ class CallRequest:
             "arguments": self.arguments,
             "env": self.env,
             "maxResultBytes": self.max_result_bytes,
+            **({"egressSecretHosts": self.stand_ins.shim_hosts()} if self.stand_ins else {}),
         }
 
 

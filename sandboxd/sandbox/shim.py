@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from sandboxd import strictjson
+from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import current_secrets, get_logger, masking, source
@@ -207,10 +208,11 @@ class ShimSandbox:
         self._client_paused = False  # the running call's client reads no more
         self._refill: asyncio.TimerHandle | None = None
         self._running_tool: str | None = None
+        self._stand_ins = StandIns()  # the running call's; none while idle: a stand-in is worth nothing after its call
 
-    def egress_context(self) -> tuple[str | None, frozenset[str]]:
-        """The tool running now (None when idle) and every secret to mask: for the egress log."""
-        return self._running_tool, self._secrets
+    def egress_context(self) -> tuple[str | None, frozenset[str], StandIns]:
+        """The tool running now (None when idle), every secret to mask, and the running call's stand-ins."""
+        return self._running_tool, self._secrets, self._stand_ins
 
     @property
     def alive(self) -> bool:
@@ -225,11 +227,13 @@ class ShimSandbox:
             self._secrets |= current_secrets()
         future = self.channel.call(request, on_progress)
         self._running_tool = request.tool or None
+        self._stand_ins = request.stand_ins or StandIns()
         future.add_done_callback(self._call_ended)
         return future
 
     def _call_ended(self, _future: asyncio.Future[dict[str, Any]]) -> None:
         self._running_tool = None
+        self._stand_ins = StandIns()
 
     def cancel(self, reason: str) -> None:
         self.channel.cancel(reason)

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable
 
 from sandboxd import strictjson
 from sandboxd.config import Config
+from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
@@ -314,6 +315,10 @@ class CallRunner:
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
         if ctx.cancel_reason is not None:  # cancelled before it got here
             return _not_started(ctx, started)
+        try:  # the sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py)
+            env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
+        except ValueError as exc:
+            raise InvalidParams(str(exc)) from None
         ctx.enter_queue()
         queued_at = time.monotonic()
         pooled = await self.pool.acquire(call.user)
@@ -325,10 +330,11 @@ class CallRunner:
                 tool_call_id=call.tool_call_id,
                 entry=self.backend.entry_path(call.tool),
                 arguments=call.arguments,
-                env=call.env,
+                env=env,
                 max_result_bytes=calls.max_result_bytes,
                 output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
                 tool=call.tool.name,
+                stand_ins=stand_ins,
             )
             assert pooled.sandbox is not None
             progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)

@@ -281,6 +281,10 @@ class Server:
     def egress_decisions(self) -> Mapping[tuple[str, str], int]:
         return self.egress.decisions
 
+    @property
+    def egress_secret_uses(self) -> Mapping[str, int]:
+        return self.egress.secret_uses
+
     def describe(self) -> str:
         """One line for systemd's STATUS= (shown by `systemctl status sandboxd`)."""
         totals = self.pool.status()["totals"]

@@ -49,6 +49,10 @@ class Observed(Protocol):
         """(decision, reason) → egress requests so far."""
 
     @property
+    def egress_secret_uses(self) -> Mapping[str, int]:
+        """egress.secrets name → requests the egress proxy put its value in."""
+
+    @property
     def orphans_reaped(self) -> int: ...
 
 
@@ -102,6 +106,11 @@ class _ServerCollector:
         for (decision, reason), count in sorted(daemon.egress_decisions.items()):
             egress.add_metric([decision, reason], count)
         yield egress
+        uses = CounterMetricFamily("sandboxd_egress_secret_uses", "Requests the egress proxy put a secret's real "
+                                   "value in (egress.secrets), by the secret's name.", labels=["name"])
+        for name, count in sorted(daemon.egress_secret_uses.items()):
+            uses.add_metric([name], count)
+        yield uses
         dropped = CounterMetricFamily("sandboxd_log_lines_dropped", "Log lines over their source's budget (log_rate, "
                                       "log_burst), by the kind of source: sandbox, user, peer, method, calls.",
                                       labels=["source"])

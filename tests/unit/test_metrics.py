@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sandboxd import __version__
 from sandboxd.config import load_config
+from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging
 from sandboxd.sandbox.backend import CallRequest
@@ -195,7 +196,7 @@ def test_one_call_event_per_call_without_secrets(tmp_path: Path) -> None:
 def test_egress_decisions_are_counted_by_decision_and_reason(tmp_path: Path) -> None:
     async def test(server: Server) -> None:
         ours, theirs = socket.socketpair()
-        session = server.egress.session(USER, "s1", lambda: ("hello", frozenset()))
+        session = server.egress.session(USER, "s1", lambda: ("hello", frozenset(), StandIns()))
         handled = asyncio.ensure_future(session.handle(theirs))
         reader, writer = await asyncio.open_connection(sock=ours)
         writer.write(b"CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n")

@@ -1,0 +1,200 @@
+"""Secrets a sandbox never holds (``egress.secrets``): stand-ins in its env, real values on the wire.
+
+For a call env name that ``egress.secrets`` lists, the sandbox gets a stand-in (fresh for
+each call) instead of the value. The egress proxy reads the head of each request it
+forwards in absolute form (``GET http://…`` or ``GET https://…``: the shim sends requests
+to a secret's hosts that way) and, only when the request goes to one of that secret's
+hosts, puts the real value where the stand-in was: in any header (also inside
+``Authorization: Basic``'s base64) and in the URL's query, literally or percent-encoded.
+Never in a body, never in the path, never inside a CONNECT tunnel (it cannot read one).
+A stand-in in a request to any other host goes on as it is: it is worth nothing there,
+and it is logged and counted as misdirected. docs/security.md ("Secrets") says why.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import secrets as random
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+from urllib.parse import quote
+
+from sandboxd.egress.policy import AllowEntry, parse_address
+
+STAND_IN_PREFIX = "sandboxd-stand-in-"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def parse_secret_hosts(name: str, hosts: list[str]) -> tuple[AllowEntry, ...]:
+    """The entries of one ``egress.secrets`` item; ValueError naming the secret and the problem."""
+    if not hosts:
+        raise ValueError(f"{name}: name at least one host its value may be sent to, "
+                         'e.g. {"' + name + '": ["api.example.com"]}')
+    entries = []
+    for host in hosts:
+        try:
+            entries.append(AllowEntry.parse(host))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {str(exc).replace('egress.allow entry', 'entry')}") from None
+    return tuple(entries)
+
+
+def names_host(entries: Iterable[AllowEntry], host: str, port: int, ports: frozenset[int]) -> bool:
+    """Does one of ``entries`` name ``host:port`` (lower case, as the proxy parsed it)?
+
+    Names match name entries (``*.`` for subdomains), IP literals match network entries;
+    a name is never matched through the addresses it resolves to. Without a port, an
+    entry means the ports in egress.ports, as in egress.allow."""
+    literal = parse_address(host)
+    for entry in entries:
+        if not entry.allows_port(port, ports):
+            continue
+        if entry.matches_name(host) or (literal is not None and entry.network is not None
+                                        and literal in entry.network):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Secret:
+    """One call's secret: its env name, the real value, the stand-in the sandbox holds, and its hosts."""
+
+    name: str
+    value: str
+    stand_in: str
+    hosts: tuple[AllowEntry, ...]
+    _pattern: re.Pattern[bytes] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pattern", _stand_in_pattern(self.stand_in))
+
+    def belongs_to(self, host: str, port: int, ports: frozenset[int]) -> bool:
+        return names_host(self.hosts, host, port, ports)
+
+    def found_in(self, data: bytes) -> bool:
+        return self._pattern.search(data) is not None
+
+    def replace(self, data: bytes, literal: bytes) -> tuple[bytes, int]:
+        """``data`` with each stand-in replaced: written as is by ``literal``, percent-encoded by the
+        value percent-encoded (a client that encoded the stand-in wants the value encoded too)."""
+        encoded = quote(self.value, safe="").encode()
+        return self._pattern.subn(lambda m: literal if m.group(0) == self.stand_in.encode() else encoded, data)
+
+
+def _stand_in_pattern(stand_in: str) -> re.Pattern[bytes]:
+    """The stand-in with each character as it is or percent-encoded (either hex case)."""
+    parts = []
+    for char in stand_in:
+        hexes = "".join(f"[{d}{d.lower()}]" if d.isalpha() else d for d in f"{ord(char):02X}")
+        parts.append(f"(?:{re.escape(char)}|%{hexes})")
+    return re.compile("".join(parts).encode())
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    head: bytes
+    substituted: tuple[str, ...] = ()  # names whose value went into the head
+    misdirected: tuple[str, ...] = ()  # names whose stand-in was in a request to another host
+
+
+class StandIns:
+    """One call's secrets, behind the stand-ins its sandbox holds."""
+
+    def __init__(self, items: Iterable[Secret] = ()) -> None:
+        self.secrets = tuple(items)
+
+    def __bool__(self) -> bool:
+        return bool(self.secrets)
+
+    @classmethod
+    def for_call(cls, env: Mapping[str, str], config: Mapping[str, list[str]]) -> tuple[dict[str, str], StandIns]:
+        """The env the sandbox gets (a stand-in for each value ``config`` names) and the stand-ins.
+
+        ValueError (naming the variable, never its value) for a value that could not go
+        into a header: a line break there would be a header of the sandbox's making."""
+        sandbox_env, items = dict(env), []
+        for name, value in env.items():
+            if name not in config:
+                continue
+            if _CONTROL.search(value):
+                raise ValueError(f"env {name} is an egress secret (egress.secrets) and may not hold control "
+                                 "characters (line breaks, tabs, NUL): its value goes into HTTP headers")
+            stand_in = f"{STAND_IN_PREFIX}{random.token_hex(16)}"
+            items.append(Secret(name, value, stand_in, parse_secret_hosts(name, config[name])))
+            sandbox_env[name] = stand_in
+        return sandbox_env, cls(items)
+
+    def shim_hosts(self) -> list[dict[str, object]]:
+        """The hosts whose requests the shim must send in absolute form (docs/shim.md, "call")."""
+        found: list[dict[str, object]] = []
+        for secret in self.secrets:
+            for entry in secret.hosts:
+                item: dict[str, object] = {"port": entry.port}
+                if entry.host is not None:
+                    item["host"] = entry.host
+                else:
+                    item["network"] = str(entry.network)
+                if item not in found:
+                    found.append(item)
+        return found
+
+    def rewrite(self, head: bytes, host: str, port: int, ports: frozenset[int]) -> Rewrite:
+        """``head`` (request line and headers, as the proxy forwards them) with the stand-ins of the
+        secrets that belong to ``host:port`` replaced by their values in the query and the headers."""
+        if not self.secrets:
+            return Rewrite(head)
+        own = [s for s in self.secrets if s.belongs_to(host, port, ports)]
+        misdirected = tuple(s.name for s in self.secrets if s not in own and s.found_in(head))
+        if not own:
+            return Rewrite(head, misdirected=misdirected)
+        lines = head.split(b"\r\n")
+        used: set[str] = set()
+        lines[0] = _rewrite_query(lines[0], own, used)
+        for i in range(1, len(lines)):
+            if b":" in lines[i]:
+                lines[i] = _rewrite_header(lines[i], own, used)
+        return Rewrite(b"\r\n".join(lines), tuple(s.name for s in own if s.name in used), misdirected)
+
+
+def _rewrite_query(request_line: bytes, own: list[Secret], used: set[str]) -> bytes:
+    method, _, rest = request_line.partition(b" ")
+    target, _, version = rest.rpartition(b" ")
+    path, mark, query = target.partition(b"?")
+    if not mark:
+        return request_line
+    for secret in own:  # in a URL even the literal stand-in becomes the encoded value
+        query, count = secret.replace(query, quote(secret.value, safe="").encode())
+        if count:
+            used.add(secret.name)
+    return b" ".join([method, path + mark + query, version])
+
+
+def _rewrite_header(line: bytes, own: list[Secret], used: set[str]) -> bytes:
+    name, _, value = line.partition(b":")
+    for secret in own:
+        value, count = secret.replace(value, secret.value.encode())
+        if count:
+            used.add(secret.name)
+    if name.strip().lower() == b"authorization":
+        value = _rewrite_basic(value, own, used)
+    return name + b":" + value
+
+
+def _rewrite_basic(value: bytes, own: list[Secret], used: set[str]) -> bytes:
+    """``Basic base64(user:password)``: the stand-in inside the credentials, replaced and encoded again."""
+    scheme, _, token = value.strip().partition(b" ")
+    if scheme.lower() != b"basic" or not token.strip():
+        return value
+    try:
+        credentials = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return value
+    changed = False
+    for secret in own:
+        if secret.stand_in.encode() in credentials:
+            credentials = credentials.replace(secret.stand_in.encode(), secret.value.encode())
+            used.add(secret.name)
+            changed = True
+    return b" " + scheme + b" " + base64.b64encode(credentials) if changed else value
