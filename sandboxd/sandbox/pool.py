@@ -1,14 +1,21 @@
 """Warm sandboxes per user, modelled on httpcore's connection pool.
 
-The mutable state is two plain lists, ``_sandboxes`` and ``_waiters``, and the
-decisions are made in one synchronous method, ``_plan``, which hands idle sandboxes
-to waiters and returns what to start and what to destroy. The backend calls (slow,
-fallible) happen after, in ``_apply``. Events only record what happened (a call
-ended, a start finished or failed, a sandbox died) and ask for a plan. One shortcut
-decides outside a full plan: a call whose user has an idle sandbox while nobody
-waits takes it (``_take_idle``, under the same rules as ``_plan``). A caller that is
-cancelled while it waits never leaks a slot: ``acquire`` gives back whatever it was
-handed.
+The pool's state is which sandboxes exist (``_sandboxes``; the same by user in
+``_of_user``), what each is doing (its ``State``) and who waits for one (``_waiters``).
+One synchronous step, ``_plan``, changes it: it settles what the events recorded, hands
+idle sandboxes to waiting callers, and returns what to start and what to destroy; the
+backend calls (slow, fallible) happen after, in ``_apply``. The events only record what
+happened, on the sandbox it happened to (``PooledSandbox``'s facts: its call ended, its
+start finished or failed, the backend removed it) or in ``_waiters`` (a caller came or
+left), and ask for a plan; ``close`` ends it all at once.
+
+A plan looks at every sandbox and every active user when anyone waits, when room frees
+up, and every second (``maintain``). When nobody waits and only one user's sandboxes
+changed (a call of theirs arrives or ends, they list their tools, a start of theirs
+ends), it looks at that user's sandboxes alone: the same steps and rules, a few µs at any
+pool size, where a walk of everything costs ~1 ms at 500 users on every call's path. A
+caller that is cancelled while it waits never leaks a slot: ``acquire`` gives back
+whatever it was handed.
 
 Users share the pool max-min fairly (docs/design.md, "Sharing the pool"): waiting
 users are served fewest-held first, a user holding more than a waiting user gives
@@ -64,10 +71,12 @@ class PooledSandbox:
     calls: int = 0
     since: float = 0.0  # when it entered its current state
     generation: int = 0  # the sandbox settings it was started with (see retire_all)
-    # Events, read by _plan: its last call left it unfit for another (crashed, killed, old settings,
-    # max calls); its start failed.
-    spent: bool = False
-    start_error: SandboxdError | None = None
+    # What happened to it, recorded by the event that saw it; the next _plan acts on it (its start
+    # finished: ``sandbox`` is set).
+    call_ended: bool = False  # release: its call is over
+    spent: bool = False  # release: that call left it unfit for another (crashed, killed, old settings, max calls)
+    start_error: SandboxdError | None = None  # its start failed
+    removed: bool = False  # the backend has removed it (or gave up and listed it for removal)
 
     @property
     def id(self) -> str:
@@ -84,6 +93,7 @@ class Waiter:
 class Plan:
     start: list[PooledSandbox] = field(default_factory=list)
     destroy: list[PooledSandbox] = field(default_factory=list)
+    handed: PooledSandbox | None = None  # what the arriving caller of a one-user plan took
 
 
 class Pool:
@@ -102,7 +112,7 @@ class Pool:
         # The pool's whole mutable state:
         self._sandboxes: list[PooledSandbox] = []
         self._waiters: list[Waiter] = []  # in arrival order: a user's own callers are served first come, first served
-        # The same sandboxes by user, in pool order: a call looks at its user's only (the fast path).
+        # The same sandboxes by user, in pool order: a plan of one user looks at theirs only.
         self._of_user: dict[str, list[PooledSandbox]] = {}
         # Bookkeeping that _plan reads:
         self._last_call: dict[str, float] = {}  # user → last acquire/release; drives min_idle and the idle TTL
@@ -122,21 +132,20 @@ class Pool:
         """An idle sandbox of ``user``, started if need be; raises Overloaded past the deadline."""
         if self._closing:
             raise ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
-        loop = asyncio.get_running_loop()
         self._last_call[user] = self._clock()
-        pooled = self._take_idle(user) if not self._waiters else None
-        if pooled is not None:
-            # The common call: nobody waits and the user has a usable idle sandbox. Only this user's
-            # sandboxes are looked at; _plan walks them all (~1 ms per call at 500 users), so it runs
-            # when anything else must happen, and every second from maintain().
-            self._apply(self._keep_warm(user, Plan(), self._clock()))
-            return pooled
-        waiter = Waiter(user, loop.create_future())
+        if not self._waiters:
+            # The common call: nobody waits, so a plan of this user's sandboxes alone hands it
+            # their idle one if they have one (and the reserve allows).
+            plan = self._plan(user, caller=True)
+            self._apply(plan)
+            if plan.handed is not None:
+                return plan.handed
+        waiter = Waiter(user, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._apply(self._plan())
         timeout = self.config.acquire_timeout_ms / 1000 if timeout is None else timeout
         try:
-            if waiter.future.done():  # fast path: an idle sandbox was there
+            if waiter.future.done():  # served by that plan already
                 return waiter.future.result()
             async with asyncio.timeout(timeout):
                 return await waiter.future
@@ -164,10 +173,7 @@ class Pool:
             # that every _plan walks.
             return
         self._last_call[user] = self._clock()
-        if self._waiters:
-            self._apply(self._plan())
-        else:
-            self._apply(self._keep_warm(user, Plan(), self._clock()))
+        self._replan(user)
 
     def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
         """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
@@ -175,16 +181,15 @@ class Pool:
         if counted:
             pooled.calls += 1
         self._last_call[pooled.user] = now
-        if pooled.state is State.BUSY and pooled in self._of_user.get(pooled.user, ()):
+        if pooled.state is State.BUSY and not pooled.call_ended and pooled in self._of_user.get(pooled.user, ()):
             alive = self._alive(pooled)
             if not reusable:
                 self.stats["killed" if alive else "crashed"] += 1
-            # Unusable, dead, or spent (old settings, max calls): _plan destroys it, at once.
-            pooled.state, pooled.since = State.IDLE, now
+            # Idle again at the plan, which destroys it at once if it is spent.
+            pooled.call_ended = True
             pooled.spent = (not reusable or not alive or pooled.generation != self._generation
                             or pooled.calls >= self.config.max_calls_per_sandbox)
-        if self._waiters or pooled.spent:  # else nothing changed for anyone else
-            self._apply(self._plan())
+            self._replan(pooled.user)
 
     def retire_all(self) -> None:
         """New sandbox settings: replace idle sandboxes now, busy ones when their call ends."""
@@ -207,7 +212,8 @@ class Pool:
                 waiter.future.set_exception(ShuttingDown("sandboxd is shutting down; retry once it is back."))
         self._waiters.clear()
         deadline = self._clock() + grace
-        while any(p.state is State.BUSY for p in self._sandboxes) and self._clock() < deadline:
+        # No plan runs from here on: a call's end stays a recorded fact.
+        while any(p.state is State.BUSY and not p.call_ended for p in self._sandboxes) and self._clock() < deadline:
             await asyncio.sleep(0.05)
         doomed = [p for p in self._sandboxes if p.state is not State.STOPPING]  # those are on their way already
         self._sandboxes.clear()
@@ -258,9 +264,6 @@ class Pool:
     def _alive(self, pooled: PooledSandbox) -> bool:
         return pooled.sandbox is not None and pooled.sandbox.alive
 
-    def _usable(self, pooled: PooledSandbox) -> bool:
-        return self._alive(pooled) and pooled.generation == self._generation
-
     def _held(self) -> int:
         """Sandboxes held for calls in all (a walk of the pool: only where the pool is near its ceiling)."""
         return sum(1 for pooled in self._sandboxes if pooled.state in HELD)
@@ -269,47 +272,56 @@ class Pool:
         """How many sandboxes may be held in all before only users' first calls are served."""
         return self.config.max_total - self.config.reserved
 
-    def _take_idle(self, user: str) -> PooledSandbox | None:
-        """The fast path: the user's first idle sandbox, busy now, if it is usable and the reserve allows."""
-        pooled = next((p for p in self._of_user.get(user, ()) if p.state is State.IDLE), None)
-        if pooled is None or not self._usable(pooled):
-            return None  # _plan destroys a dead or retired one, and decides what else to do
-        if len(self._sandboxes) >= self._ceiling() and self._count(user, *HELD) and self._held() >= self._ceiling():
-            return None  # into the reserve: _plan decides (only a first call may go there)
-        pooled.state, pooled.since = State.BUSY, self._clock()
-        return pooled
+    def _replan(self, user: str) -> None:
+        """Plan after an event on ``user``'s sandboxes: theirs alone while nobody waits, else everything."""
+        self._apply(self._plan(None if self._waiters else user))
 
-    def _plan(self) -> Plan:
-        """Serve waiters, fairly across users; decide what to start and destroy. No awaits here."""
+    def _plan(self, user: str | None = None, *, caller: bool = False) -> Plan:
+        """The one step that changes the pool's state; no awaits here. Returns what to start and destroy.
+
+        ``user``: nobody waits and only this user's sandboxes changed, so only theirs are looked
+        at. ``caller``: a call of ``user`` arrives; ``plan.handed`` is the idle sandbox it takes,
+        or None: it must queue, and nothing is started for it here (the full plan it queues for
+        decides).
+        """
         plan = Plan()
         if self._closing:
             return plan
         now, cfg = self._clock(), self.config
 
-        # 1. Forget failed starts (their users' callers get the error now, not at their deadline; each
-        #    retry re-checks the backend). Stop idle sandboxes that died, that a call left spent, that
-        #    belong to users gone quiet, or beyond min_idle past the TTL.
+        # 1. Settle what the events recorded: a call or a start that ended leaves its sandbox idle, a
+        #    removed one is forgotten, a failed start too (its user's callers get the error now, not at
+        #    their deadline; each retry re-checks the backend). Stop idle sandboxes that died, that a
+        #    call left spent, that belong to users gone quiet, or beyond min_idle past the TTL.
         idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
-        held_total = 0
+        held_total = 0  # of the sandboxes looked at: in all, or the one user's
         ttl, last_call = cfg.idle_ttl_s, self._last_call
-        for pooled in list(self._sandboxes):
-            user, state = pooled.user, pooled.state
-            if state is State.BUSY:
+        # Local names: this loop runs for every call's acquire and release, and looking up an enum member costs.
+        idle, busy, starting, stopping = State.IDLE, State.BUSY, State.STARTING, State.STOPPING
+        for pooled in list(self._sandboxes if user is None else self._of_user.get(user, ())):
+            owner, state = pooled.user, pooled.state
+            if pooled.call_ended or (state is starting and pooled.sandbox is not None):
+                state = pooled.state = idle  # and judged as idle below
+                pooled.since, pooled.call_ended = now, False
+            if state is busy:
                 held_total += 1
-            elif state is State.STARTING:
+            elif state is starting:
                 if pooled.start_error is None:
                     held_total += 1
                     continue
                 self._forget(pooled)
-                self._backoff_until[user] = now + START_BACKOFF_S
-                for waiter in [w for w in self._waiters if w.user == user]:
+                self._backoff_until[owner] = now + START_BACKOFF_S
+                for waiter in [w for w in self._waiters if w.user == owner]:
                     self._waiters.remove(waiter)
                     if not waiter.future.done():
                         waiter.future.set_exception(pooled.start_error)
-            elif state is State.IDLE:
-                alive = self._alive(pooled)
-                kept = idle_of.get(user)
-                user_quiet = now - last_call.get(user, 0.0) > ttl
+            elif state is stopping:
+                if pooled.removed:
+                    self._forget(pooled)
+            else:
+                alive = pooled.sandbox is not None and pooled.sandbox.alive
+                kept = idle_of.get(owner)
+                user_quiet = now - last_call.get(owner, 0.0) > ttl
                 surplus = (len(kept) if kept else 0) >= cfg.min_idle and now - pooled.since > ttl
                 retired = pooled.generation != self._generation
                 if pooled.spent or not alive or user_quiet or surplus or retired:
@@ -317,31 +329,43 @@ class Pool:
                         self.stats["crashed"] += 1
                     plan.destroy.append(self._stopping(pooled, now))
                 elif kept is None:
-                    idle_of[user] = [pooled]
+                    idle_of[owner] = [pooled]
                 else:
                     kept.append(pooled)
-        for user in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
-            if user not in self._of_user and not any(w.user == user for w in self._waiters):
-                del self._last_call[user]
+        if user is None:
+            for quiet in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
+                if quiet not in self._of_user and not any(w.user == quiet for w in self._waiters):
+                    del self._last_call[quiet]
 
-        # 2. Serve the waiting callers, fairly across users.
+        # 2. Serve the waiting callers, fairly across users; or the one arriving caller.
         queues: dict[str, collections.deque[Waiter]] = {}
-        for waiter in list(self._waiters):
-            if waiter.future.done():  # cancelled or failed while queued
-                self._waiters.remove(waiter)
-            else:
-                queues.setdefault(waiter.user, collections.deque()).append(waiter)
-        if queues:
-            self._serve(queues, idle_of, held_total, plan, now)
+        if user is None:
+            for waiter in list(self._waiters):
+                if waiter.future.done():  # cancelled or failed while queued
+                    self._waiters.remove(waiter)
+                else:
+                    queues.setdefault(waiter.user, collections.deque()).append(waiter)
+            if queues:
+                self._serve(queues, idle_of, held_total, plan, now)
+        elif caller:
+            mine = idle_of.get(user)
+            # The reserve is for first calls: a user already holding one waits once the pool holds its
+            # ceiling (held_total is theirs here; everyone's is counted only when the pool is that full).
+            into_reserve = (held_total and len(self._sandboxes) >= self._ceiling()
+                            and self._held() >= self._ceiling())
+            if not mine or into_reserve:
+                return plan
+            plan.handed = self._hand_out(mine.pop(0), now)
 
         # 3. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
         #    Not while the user's callers wait for starts: a second start at the same time slows
         #    theirs (docker create/start share the CPU); the spare follows once they are served.
-        for user, last in self._last_call.items():
+        for active in (self._last_call if user is None else (user,)):
             # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
-            if now - last > cfg.idle_ttl_s or len(idle_of.get(user, ())) >= cfg.min_idle or queues.get(user):
+            if (now - last_call.get(active, 0.0) > cfg.idle_ttl_s or len(idle_of.get(active, ())) >= cfg.min_idle
+                    or queues.get(active)):
                 continue
-            self._keep_warm(user, plan, now)
+            self._keep_warm(active, plan, now)
         return plan
 
     def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
@@ -375,11 +399,9 @@ class Pool:
             if held[user] and held_total >= ceiling:
                 continue  # the reserve is for first calls: this user waits for a release
             if idle:
-                pooled = idle.pop(0)
-                pooled.state, pooled.since = State.BUSY, now
                 waiter = queue.popleft()
                 self._waiters.remove(waiter)
-                waiter.future.set_result(pooled)
+                waiter.future.set_result(self._hand_out(idle.pop(0), now))
             elif len(queue) > covered[user]:
                 if len(self._of_user.get(user, ())) + claimed[user] >= cfg.max_per_user:
                     continue  # at their own limit: their callers wait for their own releases
@@ -421,17 +443,16 @@ class Pool:
                 best = key, min(idle, key=lambda p: p.since)
         return best[1] if best is not None else None
 
-    def _keep_warm(self, user: str, plan: Plan, now: float) -> Plan:
-        """min_idle for a user who called or listed within the TTL: start what is missing, in room
-        outside the reserve. It never evicts, and waits out the backoff after a failed start."""
-        if self._closing or now < self._backoff_until.get(user, 0.0):
-            return plan
+    def _keep_warm(self, user: str, plan: Plan, now: float) -> None:
+        """Step 3 of _plan for one user who called or listed within the TTL: start what min_idle
+        misses, in room outside the reserve. It never evicts, and waits out the backoff after a failed start."""
+        if now < self._backoff_until.get(user, 0.0):
+            return
         cfg, ceiling = self.config, self._ceiling()
         for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
             if len(self._of_user.get(user, ())) >= cfg.max_per_user or len(self._sandboxes) >= ceiling:
                 break
             plan.start.append(self._new(user, now))
-        return plan
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
         """Why ``user``'s wait ran out, counted by reason, in words that say what to do."""
@@ -461,6 +482,11 @@ class Pool:
         if not mine:
             del self._of_user[pooled.user]
 
+    @staticmethod
+    def _hand_out(pooled: PooledSandbox, now: float) -> PooledSandbox:
+        pooled.state, pooled.since = State.BUSY, now
+        return pooled
+
     def _new(self, user: str, now: float) -> PooledSandbox:
         pooled = PooledSandbox(user, State.STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
@@ -470,15 +496,14 @@ class Pool:
     # -- side effects -------------------------------------------------------
 
     def _apply(self, plan: Plan) -> None:
+        if not (plan.start or plan.destroy):
+            return  # the common plan: a call took or gave back a sandbox
         for pooled in plan.start:
             task = self._spawn(self._start(pooled))
             self._starts.add(task)
             task.add_done_callback(self._starts.discard)
-        for pooled in plan.destroy:
-            if pooled.sandbox is not None:
-                self._spawn(self._destroy(pooled))
-            elif pooled in self._sandboxes:  # nothing to remove: its room is free at once
-                self._forget(pooled)
+        for pooled in plan.destroy:  # idle ones only: each has its sandbox
+            self._spawn(self._destroy(pooled))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -497,13 +522,12 @@ class Pool:
             return
         self.stats["started"] += 1
         pooled.sandbox = sandbox
-        if pooled not in self._sandboxes:  # closed or evicted while starting
+        if pooled not in self._sandboxes:  # closed while starting
             self._spawn(self._destroy(pooled))
             return
-        pooled.state, pooled.since = State.IDLE, self._clock()
         sandbox.on_exit(lambda: self._sandbox_died(pooled))
+        self._replan(pooled.user)
         log.debug("sandbox_started", user=pooled.user, sandbox=sandbox.id, pool=repr(self))
-        self._apply(self._plan())
 
     def _start_failed(self, pooled: PooledSandbox, exc: BaseException) -> None:
         self.stats["start_failures"] += 1
@@ -515,12 +539,12 @@ class Pool:
             exc = BackendUnavailable(f"could not start a sandbox: {exc}")
         log.warning("sandbox_start_failed", user=pooled.user, error=str(exc), budget=source("user", pooled.user))
         pooled.start_error = exc
-        self._apply(self._plan())
+        self._replan(pooled.user)
 
     def _sandbox_died(self, pooled: PooledSandbox) -> None:
         """An idle sandbox died (engine restart, killed from outside): _plan sees it dead and replaces it."""
         if pooled.state is State.IDLE:
-            self._apply(self._plan())
+            self._replan(pooled.user)
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
 
     @staticmethod
@@ -534,8 +558,7 @@ class Pool:
         try:
             await self._backend.destroy(pooled.sandbox)
         finally:
-            # Gone (or handed to the backend's retry list): its room is free.
-            if pooled in self._sandboxes:
-                self._forget(pooled)
-                if not self._closing:
-                    self._apply(self._plan())
+            # Gone (or handed to the backend's retry list): its room is free, for anyone.
+            pooled.removed = True
+            if not self._closing:
+                self._apply(self._plan())

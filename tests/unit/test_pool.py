@@ -314,6 +314,21 @@ def test_close_refuses_new_calls_and_destroys_everything() -> None:
     run(main())
 
 
+def test_close_waits_for_a_busy_sandbox_until_its_call_ends() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, min_idle=0)
+        busy = await pool.acquire("a@x.io")
+        closing = asyncio.ensure_future(pool.close(grace=60))
+        await settle()
+        assert not closing.done() and busy.sandbox is not None and busy.sandbox.id in backend.sandboxes
+        pool.release(busy, reusable=True)  # no plan runs while closing: the call's end alone lets close go on
+        await asyncio.wait_for(closing, timeout=10)
+        assert backend.sandboxes == {}
+
+    run(main())
+
+
 def test_close_cancels_starts_in_flight() -> None:
     async def main() -> None:
         backend = FakeBackend()
@@ -415,22 +430,25 @@ def test_a_warm_call_looks_at_its_own_users_sandboxes_only(monkeypatch: pytest.M
             pool.release(await pool.acquire(user), reusable=True)
         await settle()
         assert len(pool._sandboxes) == 200
-        plans: list[int] = []
+        plans: list[str | None] = []  # whose sandboxes each plan looked at (None: everyone's)
         real = pool._plan
-        monkeypatch.setattr(pool, "_plan", lambda: (plans.append(1), real())[1])
+        monkeypatch.setattr(pool, "_plan", lambda user=None, **kw: (plans.append(user), real(user, **kw))[1])
         for _ in range(10):
             pooled = await pool.acquire(users[7])
             assert pooled.user == users[7] and pooled.state is State.BUSY
             pool.release(pooled, reusable=True)
-        assert plans == []
-        # The fast path keeps the user's spare: their last idle one taken, the next starts at once.
+        assert plans == [users[7]] * 20  # an acquire and a release each
+        # The user's spare is kept: their last idle one taken, the next starts at once.
+        plans.clear()
         first, second = await pool.acquire(users[3]), await pool.acquire(users[3])
-        assert plans == [] and backend.starts == 200
-        await settle()  # the spare's start plans once it is up: off every call's path
+        assert plans == [users[3]] * 2 and backend.starts == 200
+        await settle()  # the spare's start plans for its user once it is up: off every call's path
         assert {p.state for p in pool._of_user[users[3]]} == {State.BUSY, State.IDLE} and backend.starts == 201
         pool.release(first, reusable=True)
-        pool.release(second, reusable=False)  # anything beyond a plain release still plans
-        assert plans
+        pool.release(second, reusable=False)  # not reusable: destroyed at once, its user's plan decides
+        assert None not in plans and second.state is State.STOPPING
+        await settle()  # its removal frees room for anyone: a plan of everything
+        assert plans[-1] is None and second not in pool._sandboxes
         await pool.close(grace=0)
 
     run(main())
@@ -561,7 +579,7 @@ def test_spares_and_the_fast_path_stay_out_of_the_reserve() -> None:
         await settle()
         # One busy, one spare: two of four, the rest is the reserve.
         assert repr(pool) == "<Pool [starting: 0, idle: 1, busy: 1, stopping: 0, waiting: 0]>"
-        second = await pool.acquire("a@x.io")  # the spare, via the fast path: 2 held = the ceiling
+        second = await pool.acquire("a@x.io")  # the spare, by its user's own plan: 2 held = the ceiling
         await settle()
         assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 2, stopping: 0, waiting: 0]>"
         with pytest.raises(Overloaded) as info:
@@ -573,7 +591,7 @@ def test_spares_and_the_fast_path_stay_out_of_the_reserve() -> None:
         assert b.user == "b@x.io"
         await settle()
         assert repr(pool) == "<Pool [starting: 0, idle: 0, busy: 3, stopping: 0, waiting: 0]>"  # b gets no spare
-        # A released sandbox of a's, idle now, is not handed back past the ceiling by the fast path.
+        # A released sandbox of a's, idle now, is not handed back past the ceiling by its user's plan.
         pool.release(second, reusable=True)
         pool.release(b, reusable=True)
         third = await pool.acquire("a@x.io")
