@@ -10,6 +10,11 @@
 //   - child processes (python3, curl): HTTP(S)_PROXY point at a loopback forwarder
 //     that pipes each connection to the proxy's socket, byte for byte; while a
 //     synchronous child runs (execSync), a perl helper accepts on the same socket.
+// Requests to the hosts of the running call's secrets (egress.secrets: the call names
+// them, never the values) do not tunnel: fetch and the http/https modules send them to
+// the proxy in absolute form (`GET https://host/path`, plain text on the unix socket),
+// so that the proxy can put the secrets' values where the tool's env had stand-ins; it
+// makes the TLS connection itself. Child processes keep their tunnels (no values).
 // Nothing here is a defence: the proxy decides, and a tool that goes around this
 // module has no route anywhere. It only makes the way out the easy one, and the
 // proxy's refusals readable.
@@ -35,6 +40,11 @@ let socketPath = null;
 let proxyEnv = null; // { name: value } once the forwarder listens
 let forwarder = null; // its net.Server
 let helper = null; // the perl acceptor for synchronous children, once one ran
+// The running call's secret hosts: [{ host: 'api.x.com' | '*.x.com', port: n | null }]
+// and a BlockList of its networks; empty between calls.
+let secretHosts = [];
+let secretNetworks = null;
+const VIA_PROXY = Symbol('sandboxd.egress.absoluteForm');
 
 class EgressError extends Error {
   /** @param {'EGRESS_REFUSED'|'EGRESS_FAILED'} code */
@@ -198,6 +208,92 @@ function openTunnel(host, port, signal) {
   });
 }
 
+/**
+ * The call's secret hosts, as the daemon sends them (docs/shim.md, "call": egressSecretHosts).
+ * Returns an error message for a malformed list, or null once set.
+ */
+function setSecretHosts(list) {
+  secretHosts = [];
+  secretNetworks = null;
+  if (list === undefined || list === null) return null;
+  if (!Array.isArray(list)) return 'egressSecretHosts must be an array';
+  const hosts = [];
+  const networks = new net.BlockList();
+  let anyNetwork = false;
+  for (const item of list) {
+    if (!item || typeof item !== 'object') return 'egressSecretHosts items must be objects';
+    const { port } = item;
+    if (port !== null && port !== undefined && !(Number.isInteger(port) && port > 0 && port < 65536)) {
+      return 'egressSecretHosts port must be a port number or null';
+    }
+    if (typeof item.host === 'string' && item.host !== '') {
+      hosts.push({ host: item.host.toLowerCase(), port: port || null });
+    } else if (typeof item.network === 'string') {
+      const [address, bits] = item.network.split('/');
+      const type = net.isIPv6(address) ? 'ipv6' : 'ipv4';
+      try {
+        networks.addSubnet(address, Number(bits), type);
+      } catch (e) {
+        return `egressSecretHosts network ${JSON.stringify(item.network)} is not valid`;
+      }
+      hosts.push({ network: true, port: port || null });
+      anyNetwork = true;
+    } else {
+      return 'egressSecretHosts items need a host or a network';
+    }
+  }
+  secretHosts = hosts;
+  secretNetworks = anyNetwork ? networks : null;
+  return null;
+}
+
+/** Does the running call have a secret whose value belongs to host:port? (The proxy decides again.) */
+function isSecretHost(hostname, port) {
+  if (secretHosts.length === 0) return false;
+  const host = String(hostname).replace(/^\[(.*)\]$/, '$1').toLowerCase().replace(/\.$/, '');
+  const ipType = net.isIP(host);
+  for (const entry of secretHosts) {
+    if (entry.port !== null && entry.port !== port) continue;
+    if (entry.network) {
+      if (ipType && secretNetworks && secretNetworks.check(host, ipType === 6 ? 'ipv6' : 'ipv4')) return true;
+    } else if (entry.host.startsWith('*.')) {
+      if (host.endsWith(entry.host.slice(1)) && host !== entry.host.slice(2)) return true;
+    } else if (host === entry.host) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/** A plain connection to the proxy's socket (for an absolute-form request). */
+function proxyConnection(callback) {
+  if (socketPath === null) {
+    callback(new EgressError("egress failed: the shim has no egress socket", 'EGRESS_FAILED'));
+    return;
+  }
+  const sock = net.connect(socketPath);
+  const onError = (e) => callback(new EgressError(
+    `egress failed: sandboxd's egress proxy is not reachable at ${socketPath} (${e.code || e.message})`, 'EGRESS_FAILED'));
+  sock.once('error', onError);
+  sock.once('connect', () => {
+    sock.removeListener('error', onError);
+    callback(null, sock);
+  });
+}
+
+/** undici headers (an object, a flat array, or pairs) as pairs. */
+function headerPairs(headers) {
+  if (!headers) return [];
+  if (Array.isArray(headers)) {
+    if (headers.length && Array.isArray(headers[0])) return headers.map(([k, v]) => [k, v]);
+    const pairs = [];
+    for (let i = 0; i + 1 < headers.length; i += 2) pairs.push([headers[i], headers[i + 1]]);
+    return pairs;
+  }
+  if (typeof headers[Symbol.iterator] === 'function') return Array.from(headers, ([k, v]) => [k, v]);
+  return Object.entries(headers);
+}
+
 /** TLS over a tunnel, resolved once the handshake is done (what undici's connector expects). */
 function tlsOver(socket, host, servername) {
   return new Promise((resolve, reject) => {
@@ -239,7 +335,7 @@ function installFetch() {
       if (dispatcher === null) {
         // The Agent alone: undici's index would also set a global dispatcher of its own.
         const Agent = require('undici/lib/dispatcher/agent');
-        dispatcher = new Agent({ connect: undiciConnect });
+        dispatcher = new (secretAware(Agent))({ connect: undiciConnect });
       }
       return dispatcher;
     },
@@ -263,12 +359,49 @@ function installFetch() {
   };
 }
 
+/**
+ * An undici Agent that sends requests to the call's secret hosts to the proxy in absolute
+ * form (a second Agent, whose connections are plain ones to the proxy's socket), the rest
+ * through tunnels.
+ */
+function secretAware(Agent) {
+  return class SecretAwareAgent extends Agent {
+    dispatch(opts, handler) {
+      let origin;
+      try {
+        origin = new URL(String(opts.origin));
+      } catch (e) {
+        return super.dispatch(opts, handler);
+      }
+      const port = Number(origin.port) || (origin.protocol === 'https:' ? 443 : 80);
+      if (!isSecretHost(origin.hostname, port) || String(opts.path || '/')[0] !== '/') {
+        return super.dispatch(opts, handler);
+      }
+      if (!this.viaProxy) {
+        this.viaProxy = new Agent({ connect: (_options, callback) => proxyConnection(callback) });
+      }
+      const headers = headerPairs(opts.headers).filter(([k]) => String(k).toLowerCase() !== 'host');
+      headers.unshift(['host', origin.host]);
+      return this.viaProxy.dispatch({
+        ...opts,
+        origin: 'http://sandboxd-egress',
+        path: `${origin.protocol}//${origin.host}${opts.path || '/'}`,
+        headers: headers.flat(),
+      }, handler);
+    }
+  };
+}
+
 /** An Agent's createConnection that tunnels; the original one runs TLS (https) on top. */
 function tunnelling(original, secure) {
   return function createConnection(options, callback) {
     // Sync callers (no callback) and unix sockets keep the original.
     if (typeof callback !== 'function' || options === null || typeof options !== 'object' || options.socketPath) {
       return original.apply(this, arguments);
+    }
+    if (options[VIA_PROXY]) { // absolute form, plain text to the proxy: it makes the TLS connection
+      proxyConnection(callback);
+      return undefined;
     }
     const host = options.host || options.hostname || 'localhost';
     const port = Number(options.port) || (secure ? 443 : 80);
@@ -302,6 +435,24 @@ function patchAgents() {
   const https = require('node:https');
   http.Agent.prototype.createConnection = tunnelling(http.Agent.prototype.createConnection, false);
   https.Agent.prototype.createConnection = tunnelling(https.Agent.prototype.createConnection, true);
+  const addRequest = http.Agent.prototype.addRequest; // https.Agent inherits it
+  http.Agent.prototype.addRequest = function addRequestMaybeAbsolute(req, options, ...rest) {
+    if (options && typeof options === 'object' && !options.socketPath) {
+      const secure = this instanceof https.Agent;
+      const host = String(options.host || options.hostname || 'localhost');
+      const port = Number(options.port) || (secure ? 443 : 80);
+      if (isSecretHost(host, port) && typeof req.path === 'string' && req.path.startsWith('/')) {
+        const name = net.isIPv6(host) ? `[${host}]` : host;
+        const absolute = `${secure ? 'https' : 'http'}://${name}${port === (secure ? 443 : 80) ? '' : `:${port}`}${req.path}`;
+        if (req._header) { // already rendered (headers given as an array, or Expect): its request line
+          req._header = req._header.replace(/^(\S+) \S+/, `$1 ${absolute}`);
+        }
+        req.path = absolute;
+        return addRequest.call(this, req, { ...options, [VIA_PROXY]: true }, ...rest);
+      }
+    }
+    return addRequest.call(this, req, options, ...rest);
+  };
 }
 
 const AGENT_MODULES = new Set(['http', 'https', 'node:http', 'node:https']);
@@ -418,4 +569,6 @@ function install(path, log) {
   return startForwarder(log);
 }
 
-module.exports = { install, openTunnel, isProxyEnv, reassertEnv, helperPid, EgressError, PROXY_ENV, NO_ROUTE_HINT };
+module.exports = {
+  install, openTunnel, isProxyEnv, reassertEnv, helperPid, setSecretHosts, EgressError, PROXY_ENV, NO_ROUTE_HINT,
+};

@@ -135,7 +135,10 @@ function finish(call, result) {
   call.done = true;
   if (current === call) current = null;
   restoreEnv(call);
-  if (egress) egress.reassertEnv(); // in case the tool changed them
+  if (egress) {
+    egress.reassertEnv(); // in case the tool changed them
+    egress.setSecretHosts(null); // a stand-in is worth nothing after its call: tunnels again
+  }
   let json = results.encodeResult(result, call.maxResultBytes);
   const helper = egress && egress.helperPid();
   const retire = leftovers.retireReason(helper ? [helper] : []);
@@ -184,6 +187,9 @@ async function handleCall(msg) {
   if (current) {
     return replyError(id, -32000, `busy: call ${JSON.stringify(current.id)} (${current.toolCallId}) is still running; one call at a time`);
   }
+  // The hosts of this call's secrets: their requests go to the egress proxy in absolute form.
+  const hostsProblem = egress ? egress.setSecretHosts(p.egressSecretHosts) : null;
+  if (hostsProblem) return badParams(id, hostsProblem);
 
   const toolCallId = p.toolCallId === undefined ? String(id) : p.toolCallId;
   const call = {

@@ -5,10 +5,10 @@
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
-const net = require('node:net');
 const os = require('node:os');
 const path = require('node:path');
 const egress = require('../src/egress');
+const { listenFakeProxy } = require('./fake-proxy');
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sandboxd-tunnel-'));
 const socketPath = path.join(dir, 'egress.sock');
@@ -19,22 +19,12 @@ const heads = [];
 let server;
 
 before(async () => {
-  server = net.createServer((sock) => {
-    let buf = '';
-    sock.on('error', () => {});
-    sock.on('data', (d) => {
-      buf += d.toString('latin1');
-      const end = buf.indexOf('\r\n\r\n');
-      if (end !== -1) {
-        heads.push(buf.slice(0, end));
-        const r = respond || unexpected;
-        buf = buf.slice(end + 4);
-        respond = null;
-        r(sock, heads[heads.length - 1]);
-      }
-    });
+  server = await listenFakeProxy(socketPath, (sock, head) => {
+    heads.push(head);
+    const r = respond || unexpected;
+    respond = null;
+    r(sock, head);
   });
-  await new Promise((r) => server.listen(socketPath, r));
   await egress.install(socketPath, () => {});
 });
 
