@@ -28,12 +28,13 @@ from bench import floors as f
 from bench import report
 from bench.daemon import REPO
 from bench.load import throughput
+from bench.egress_tls import secrets_over_https
 from bench.neighbours import noisy_neighbours
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours")
+            "refill", "density", "attach", "overhead", "neighbours", "https")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -313,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             say("noisy neighbours: a bystander beside eight users at the pool's limit, eight sandboxes downloading, "
                 "and four flooding refused connections")
             results["neighbours"] = noisy_neighbours(root / "neighbours", run_id, args.image)
+        if "https" not in args.skip:
+            requests = 200 if args.quick else 1000
+            say(f"egress.secrets over HTTPS: {requests} requests in absolute form (the proxy's TLS) and "
+                f"{requests} through CONNECT tunnels, alternating")
+            results["https"] = secrets_over_https(root / "https", run_id, args.image, requests)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

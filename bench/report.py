@@ -209,6 +209,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         out.append((f"… daemon memory at {n} users (VmRSS, {row['sandboxes']} sandboxes)", f"{row['daemon_rss_mb']:.1f} MB",
                     f"with one user {alone.get('daemon_rss_mb', 0):.1f} MB", "", "", "—"))
     out += _neighbour_rows(r.get("neighbours", {}))
+    out += _https_rows(r.get("https", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
@@ -217,6 +218,22 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         tp = over["throughput"]
         out.append((f"sandboxd alone (fake backend): throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"daemon CPU {tp['cpu']['daemon_cpu_us_per_call']:.0f} µs/call", "", "", "—"))
+    return out
+
+
+def _https_rows(h: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """egress.secrets' absolute-form HTTPS beside a CONNECT tunnel to the same local server (bench/egress_tls.py)."""
+    tunnel, absolute = h.get("tunnel"), h.get("absolute")
+    if not tunnel or not absolute:
+        return []
+    out = []
+    for q in ("p50", "p99"):
+        x = ratio(_p(h, "absolute", q), _p(h, "tunnel", q))
+        out.append((f"HTTPS request from a tool, new connection each, egress.secrets host (the proxy's TLS), {q}",
+                    _ms(_p(h, "absolute", q)), f"through a CONNECT tunnel {_ms(_p(h, 'tunnel', q))}", _x(x), "", "—"))
+    out.append(("… the daemon's CPU per HTTPS request", f"{absolute['daemon_cpu_us_per_request']:.0f} µs",
+                f"through a CONNECT tunnel {tunnel['daemon_cpu_us_per_request']:.0f} µs",
+                _x(ratio(absolute["daemon_cpu_us_per_request"], tunnel["daemon_cpu_us_per_request"])), "", "—"))
     return out
 
 
