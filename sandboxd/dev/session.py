@@ -20,15 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from sandboxd.config import Config, PoolConfig, SandboxConfig, email_db_path, shim_line_bytes
+from sandboxd.config import Config, PoolConfig, SandboxConfig
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
+from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallParams, CallRunner
 from sandboxd.tools.discovery import Tool
 from sandboxd.tools.transpile_cache import Esbuild
-from sandboxd.users import global_tools_dir, user_dir
+from sandboxd.users import global_tools_dir
 
 BackendName = Literal["docker", "process"]
 
@@ -61,8 +62,6 @@ def requested_backend(flag: str | None, config: Config) -> BackendName:
     return "docker"
 
 
-
-
 def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
     """The backend asked for; raises BackendUnavailable when Docker is asked for and not usable.
 
@@ -75,34 +74,19 @@ def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
             raise BackendUnavailable(f"{problem}; start Docker and run `make image`, or pass --backend process "
                                      "to run the tool UNSANDBOXED, as a local node process with your rights.")
         return BackendChoice(docker_backend, "Docker")
-    from sandboxd.sandbox.process_backend import ProcessBackend
-
-    return BackendChoice(ProcessBackend(max_line_bytes=shim_line_bytes(config.calls)), "the process backend was asked for")
+    return BackendChoice(make_backend(config, "process", instance=DEV_INSTANCE), "the process backend was asked for")
 
 
 def _usable_docker(config: Config) -> tuple[Backend | None, str]:
     """The Docker backend if the engine answers and has the runner image, else why not."""
-    import docker.errors
+    from sandboxd.sandbox.docker_backend import DockerBackend
 
-    from sandboxd.sandbox.docker_backend import LABEL_INSTANCE, DockerBackend
-
-    backend = DockerBackend(config.sandbox, instance=DEV_INSTANCE, max_line_bytes=shim_line_bytes(config.calls))
-    if not backend.ping():
-        return None, "the Docker engine is not reachable"
-    api = backend.api()
-    try:
-        api.inspect_image(config.sandbox.image)
-    except docker.errors.ImageNotFound:
-        return None, f"the runner image {config.sandbox.image} is not built (make image)"
-    except docker.errors.DockerException as exc:
-        return None, f"the Docker engine did not answer ({exc})"
-    try:  # what a killed run left: stopped containers only, a running one belongs to another run
-        leftovers = api.containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={DEV_INSTANCE}"],
-                                                      "status": ["exited", "dead"]})
-        for container in leftovers:
-            api.remove_container(container["Id"], force=True)
-    except docker.errors.DockerException:
-        pass
+    backend = make_backend(config, "docker", instance=DEV_INSTANCE)
+    assert isinstance(backend, DockerBackend)
+    problem = backend.unusable()
+    if problem is not None:
+        return None, problem
+    backend.remove_stopped()  # what a killed run left; a running one belongs to another run
     return backend, "Docker"
 
 
@@ -117,17 +101,11 @@ def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *,
     tools_root.mkdir(parents=True, exist_ok=True)
     if mount_tool:
         (tools_root / tool_dir.name).mkdir(exist_ok=True)
-    data = config.data_path
-    email_db = email_db_path(config, user) if user else None
-    return SandboxSpec(
-        user=user or DEV_USER,
-        tools_dir=global_tools_dir(data),
-        user_dir=user_dir(data, user) if user else scratch,
-        user_tools_dir=tools_root,
-        email_db=email_db,
-        read_only_mounts=((tool_dir, f"{CONTAINER_USER_TOOLS}/{tool_dir.name}"),) if mount_tool else (),
-        root=data if user else None,
-    )
+    mounts = ((tool_dir, f"{CONTAINER_USER_TOOLS}/{tool_dir.name}"),) if mount_tool else ()
+    if user is not None:
+        return dataclasses.replace(user_sandbox_spec(config, user), user_tools_dir=tools_root, read_only_mounts=mounts)
+    return SandboxSpec(user=DEV_USER, tools_dir=global_tools_dir(config.data_path), user_dir=scratch,
+                       user_tools_dir=tools_root, email_db=None, read_only_mounts=mounts)
 
 
 class _StreamingBackend:

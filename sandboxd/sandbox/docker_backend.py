@@ -1,84 +1,62 @@
 """Docker backend: one hardened container per sandbox, its shim on a unix socket.
 
-The docker SDK is synchronous; its calls run in a small thread pool. Each sandbox
-has two connections, both handled by asyncio:
-
-- the shim protocol (``sandbox.transport: socket``, the default): the daemon listens
-  on a unix socket in a directory of its own, bind-mounted read-only into the
-  sandbox, and accepts exactly one connection, the shim's, made before any tool
-  code runs. A call then goes daemon ↔ node directly, not through dockerd and
-  containerd-shim (docs/performance.md). With ``transport: attach`` (a remote
-  engine) the protocol runs over the container's stdin/stdout instead.
-- docker attach: Docker's 8-byte frame headers demultiplexed (stream 2 stderr =
-  tool output; stream 1 stdout = the protocol in attach mode); its end is how the
-  daemon learns that a container exited.
+The docker SDK is synchronous; its calls run in a small thread pool, and asyncio handles
+each sandbox's connections (docker_sandbox.py). One concern a file: the container a
+sandbox is made of (docker_spec.py, a pure function), its socket directory
+(docker_sockets.py), the attach stream's frames (docker_attach.py), the words that say why
+it ended (docker_exits.py); this module is what talks to the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
+import json
 import os
+import platform
+import re
 import secrets
 import shutil
-import socket
-import struct
+import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import LogConfig, Mount, Ulimit
 
-from sandboxd.config import AUTO_SANDBOX_ID, BRIDGE_NETWORK, SandboxConfig
+from sandboxd.config import BRIDGE_NETWORK, SandboxConfig
 from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
-from sandboxd.sandbox.backend import (
-    CONTAINER_CACHE,
-    CONTAINER_EMAIL_DB,
-    CONTAINER_TOOLS,
-    CONTAINER_USER,
-    CONTAINER_USER_TOOLS,
-    EgressSession,
-    SandboxSpec,
-    container_entry_path,
-    sandbox_env,
+from sandboxd.sandbox.backend import SandboxSpec, container_entry_path
+from sandboxd.sandbox.docker_attach import attach_socket, raw_socket
+from sandboxd.sandbox.docker_sandbox import DockerSandbox
+from sandboxd.sandbox.docker_sockets import SandboxSockets
+from sandboxd.sandbox.docker_spec import (
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    LABEL_USER,
+    container_spec,
+    esbuild_source_spec,
+    sandbox_uid,
 )
 from sandboxd.sandbox.mounts import sandbox_binds
-from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
-from sandboxd.service.peercred import peer_credentials
+from sandboxd.sandbox.shim import SHIM_PROTOCOL
 from sandboxd.tools.discovery import Tool
-from sandboxd.tools.transpile_cache import CACHE_ENV, Esbuild, extract_esbuild
+from sandboxd.tools.transpile_cache import IMAGE_ESBUILD_BINARY, IMAGE_ESBUILD_PACKAGE, Esbuild
 from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")
 
-LABEL_MANAGED = "org.sandboxd.managed"
-LABEL_INSTANCE = "org.sandboxd.instance"
-LABEL_USER = "org.sandboxd.user"
-LABEL_DATA_PATH = "org.sandboxd.data-path"  # for people: what the instance label is a hash of
-_FRAME = struct.Struct(">BxxxL")
-CONTAINER_SHIM_DIR = "/officer/run"
-EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit
-SHIM_SOCKET_NAME = "shim.sock"
-EGRESS_SOCKET_NAME = "egress.sock"
 # Docker drops traffic between two containers on a bridge with this option "false".
 ICC_OPTION = "com.docker.network.bridge.enable_icc"
+ATTACH_HINT = "set sandbox.transport: attach"
+_ARCHES = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}
 
 # Errors that mean "the engine is not there", as opposed to "it said no".
 _UNREACHABLE = (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError)
-
-
-def sandbox_user(setting: str) -> str:
-    """uid:gid the tool runs as. auto: AUTO_SANDBOX_ID, an id with no account on the host (docs/install.md)."""
-    if setting != "auto":
-        return setting
-    return f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
-
-
-ATTACH_HINT = "set sandbox.transport: attach"
 
 
 def engine_url(config: SandboxConfig) -> str:
@@ -98,241 +76,15 @@ def shim_dir_problem(info: dict[str, Any], shim_dir: Path) -> str | None:
     return None
 
 
-class _ShimListener:
-    """The sockets of one sandbox, in a directory only that sandbox mounts.
-
-    The parent directory is the daemon's own (0700), so on the host only root and the
-    daemon's user can reach them. ``shim.sock``: the shim connects once, before any tool
-    code runs, and the listener is gone after that one connection, which must come from
-    the sandbox's uid (SO_PEERCRED), or the start fails. ``egress.sock`` (when the sandbox
-    has a way out) stays for the sandbox's life: its proxy (egress/proxy.py).
-    """
-
-    def __init__(self, parent: Path, instance: str, uid: int, *, egress: bool = False) -> None:
-        self.uid = uid
-        self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
-        self.dir.mkdir(mode=0o755)
-        os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
-        self.sock: socket.socket | None = None
-        self.egress: socket.socket | None = None
-        try:
-            self.sock = self._bind(SHIM_SOCKET_NAME, backlog=1)
-            if egress:
-                self.egress = self._bind(EGRESS_SOCKET_NAME, backlog=64)
-        except BaseException:
-            self.close()
-            self.remove()
-            raise
-
-    def _bind(self, name: str, backlog: int) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # Through the directory's fd: a socket path longer than 108 bytes still binds.
-            dir_fd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY)
-            try:
-                sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
-            finally:
-                os.close(dir_fd)
-            os.chmod(self.dir / name, 0o666)  # the sandbox's uid may differ from ours
-            sock.listen(backlog)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    async def accept(self) -> socket.socket:
-        assert self.sock is not None
-        conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
-        peer = peer_credentials(conn)
-        if peer.uid != self.uid:
-            conn.close()
-            raise BackendUnavailable(
-                f"a process that is not the sandbox's shim (pid {peer.pid}, uid {peer.uid}; the sandbox runs as "
-                f"{self.uid}) connected to its socket {self.dir / SHIM_SOCKET_NAME}; the sandbox was not used"
-            )
-        return conn
-
-    def close(self) -> None:
-        """Stop listening for the shim and remove its socket (the sandbox keeps its open connection)."""
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-            try:
-                os.unlink(self.dir / SHIM_SOCKET_NAME)
-            except OSError:
-                pass
-        if self.egress is None:
-            self.remove()
-
-    def remove(self) -> None:
-        """Remove the directory and what is left in it (the sandbox is gone)."""
-        if self.egress is not None:
-            self.egress.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _ShimSocketProtocol(asyncio.Protocol):
-    """The shim protocol over the sandbox's socket."""
-
-    def __init__(self, sandbox: DockerSandbox) -> None:
-        self._sandbox = sandbox
-
-    def data_received(self, data: bytes) -> None:
-        self._sandbox.channel.feed(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._sandbox.transport_closed()
-
-
-class _AttachProtocol(asyncio.Protocol):
-    """Demultiplexes the attach stream: stderr to the tail, stdout to the shim channel.
-
-    In socket mode the shim closes the fds that pointed to stdout once it has connected,
-    and whatever still arrives there (a tool writing to init's stdout) is tool output.
-    Before the connection, stdout is an older image's shim saying ready, which the
-    protocol check then refuses with a clear message.
-    """
-
-    def __init__(self, sandbox: DockerSandbox) -> None:
-        self._sandbox = sandbox
-        self._buffer = bytearray()
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        offset = 0
-        while len(buffer) - offset >= 8:
-            stream, size = _FRAME.unpack_from(buffer, offset)
-            if len(buffer) - offset - 8 < size:
-                break
-            payload = bytes(buffer[offset + 8 : offset + 8 + size])
-            offset += 8 + size
-            if stream == 1 and self._sandbox.shim_transport is None:
-                self._sandbox.channel.feed(payload)
-            else:
-                self._sandbox.stderr_data(payload)
-        del buffer[:offset]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._sandbox.attach_ended.set()
-        self._sandbox.transport_closed()
-
-
-def _set_reading(transport: asyncio.Transport | None, on: bool) -> None:
-    if transport is None or transport.is_closing() or transport.is_reading() == on:
-        return
-    if on:
-        transport.resume_reading()
-    else:
-        transport.pause_reading()
-
-
-def exit_message(state: dict[str, Any], memory: str, tail: str) -> str:
-    """Why a container ended (the engine's ``State``, empty when it did not answer), in words an agent can act on."""
-    code, oom = state.get("ExitCode"), bool(state.get("OOMKilled"))
-    if state.get("Running") and not oom:
-        message = ("The tool's sandbox closed its protocol connection during the call: a tool must not close "
-                   "the shim's file descriptors. The sandbox was stopped.")
-    elif oom:
-        message = (
-            f"The tool ran out of memory: its sandbox is limited to {memory} and was killed. "
-            "Process less data at once, stream it, or write it to a file."
-        )
-    elif not state:
-        message = ("The tool's sandbox stopped during the call, and the Docker engine did not say why "
-                   "(it may be restarting); the sandbox is replaced once the engine answers again.")
-    elif code == 0:
-        message = ("The tool's sandbox exited during the call (exit code 0): a tool must return from execute(), "
-                   "not call process.exit() or close the shim's file descriptors.")
-    elif code == 137:
-        message = "The tool's sandbox was killed (SIGKILL) during the call."
-    else:
-        message = f"The tool's sandbox exited with code {code} during the call."
-    if tail and not oom:
-        message += f" Its last output:\n{tail}"
-    return message
-
-
-class DockerSandbox(ShimSandbox):
-    def __init__(self, container_id: str, user: str, max_line_bytes: int, *,
-                 inspect: Callable[[], Awaitable[dict[str, Any]]], memory: str) -> None:
-        super().__init__(container_id[:12], user, max_line_bytes)
-        self.container_id = container_id
-        self._inspect = inspect  # the engine's record of this container
-        self._memory = memory  # its limit, for the out-of-memory message
-        self.transport: asyncio.Transport | None = None  # the attach stream
-        self.shim_transport: asyncio.Transport | None = None  # the shim's socket (socket mode)
-        self.attach: Any = None
-        self.attach_ended = asyncio.Event()  # the container's output ended: it exited
-        self._sockets: _ShimListener | None = None  # its socket directory, kept while egress is served
-        self._egress: EgressSession | None = None
-        self._egress_accept: asyncio.Task[None] | None = None
-
-    def serve_egress(self, sockets: _ShimListener, session: EgressSession) -> None:
-        """Hand each connection to ``egress.sock`` to the proxy's session for this sandbox."""
-        assert sockets.egress is not None
-        self._sockets, self._egress = sockets, session
-        self._egress_accept = asyncio.get_running_loop().create_task(session.serve(sockets.egress, sockets.uid))
-
-    def close_egress(self) -> None:
-        """End the sandbox's way out: no new connections, the open ones closed, the socket removed."""
-        if self._egress_accept is not None:
-            self._egress_accept.cancel()
-            self._egress_accept = None
-        if self._egress is not None:
-            self._egress.close()
-            self._egress = None
-        if self._sockets is not None:
-            self._sockets.remove()
-            self._sockets = None
-
-    def _write(self, data: bytes) -> None:
-        transport = self.shim_transport or self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)
-
-    def _reading(self, *, protocol: bool, output: bool) -> None:
-        # A paused transport sees no EOF, but destroy closes it regardless, and over the
-        # socket transport the attach stream (paused only while its bucket refills) still
-        # reports the container's exit.
-        if self.shim_transport is not None:
-            _set_reading(self.shim_transport, protocol)
-            _set_reading(self.transport, output)
-        else:  # attach: one stream carries both
-            _set_reading(self.transport, protocol and output)
-
-    def close_transports(self) -> None:
-        """Close the shim's socket and really close the attach connection.
-
-        For attach, asyncio closing its socket is not enough: the SDK's wrapper holds a
-        second reference, so the fd stays open; Docker keeps copying the container's
-        output into it, and with nobody reading, `docker rm -f` hangs behind the full
-        pipe (a tool flooding its protocol stream showed it).
-        """
-        if self.shim_transport is not None:
-            self.shim_transport.close()
-        if self.transport is not None:
-            self.transport.close()
-        if self.attach is not None:
-            attach, self.attach = self.attach, None
-            try:
-                attach.close()
-            except OSError:
-                pass
-
-    async def exit_reason(self) -> SandboxFailed:
-        # The shim's socket closes the moment node dies; the container's exit (and the
-        # engine's record of why: OOM, exit code) follows. Wait for it, briefly.
-        try:
-            await asyncio.wait_for(self.attach_ended.wait(), EXIT_WAIT_S)
-        except TimeoutError:
-            pass
-        try:
-            state = (await self._inspect())["State"]
-        except Exception:
-            state = {}
-        return SandboxFailed(exit_message(state, self._memory, "\n".join(self.stderr_tail)))
+def _archive_file(api: Any, container: str, path: str) -> bytes:
+    """One regular file out of a (created, never started) container."""
+    stream, _ = api.get_archive(container, path)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as archive:
+        member = archive.next()
+        extracted = archive.extractfile(member) if member is not None and member.isfile() else None
+        if extracted is None:
+            raise OSError(f"{path} in the image is not a regular file")
+        return extracted.read()
 
 
 class DockerBackend:
@@ -346,7 +98,6 @@ class DockerBackend:
         self.config = config
         self.instance = instance
         self.max_line_bytes = max_line_bytes
-        self.user = sandbox_user(config.user)
         self._shim_dir = shim_dir
         self._shim_dir_is_temporary = shim_dir is None
         self._shim_dir_ready = False
@@ -362,7 +113,6 @@ class DockerBackend:
 
     def reconfigure(self, config: SandboxConfig) -> None:
         """Settings for sandboxes started from now on (on reload; the engine connection stays)."""
-        self.user = sandbox_user(config.user)
         self.config = config
         self._engine_checked = False  # the transport may have changed
 
@@ -427,6 +177,31 @@ class DockerBackend:
             self._api = None
             return False
 
+    def unusable(self) -> str | None:
+        """Why no sandbox could start now (the engine away, the image not built), or None (blocking)."""
+        if not self.ping():
+            return "the Docker engine is not reachable"
+        try:
+            self.api().inspect_image(self.config.image)
+        except docker.errors.ImageNotFound:
+            return f"the runner image {self.config.image} is not built (make image)"
+        except docker.errors.DockerException as exc:
+            return f"the Docker engine did not answer ({exc})"
+        return None
+
+    def remove_stopped(self) -> None:
+        """Remove this instance's stopped containers, leaving running ones (blocking; best effort).
+
+        For `sandboxd run`, whose instance several runs share: a killed run leaves at most a
+        stopped container, and a running one belongs to another run."""
+        api = self.api()
+        try:
+            for container in api.containers(all=True, filters={"label": [f"{LABEL_INSTANCE}={self.instance}"],
+                                                               "status": ["exited", "dead"]}):
+                api.remove_container(container["Id"], force=True)
+        except docker.errors.DockerException:
+            pass
+
     # -- the Backend interface ------------------------------------------------
 
     @property
@@ -434,31 +209,32 @@ class DockerBackend:
         return self.config.transport  # for sandboxes started from now on (it may change on reload)
 
     async def start(self, spec: SandboxSpec) -> DockerSandbox:
-        listener = None
+        sockets = None
         if self.config.transport == "socket":
             if not self._engine_checked:
                 problem = await self._shim_transport_problem()
                 if problem is not None:
                     raise BackendUnavailable(problem)
-            listener = _ShimListener(self.shim_dir(), self.instance, uid=int(self.user.split(":")[0]),
+            sockets = SandboxSockets(self.shim_dir(), self.instance, uid=sandbox_uid(self.config.user),
                                      egress=spec.egress is not None)
         try:
-            sandbox = await self._start(spec, listener)
+            sandbox = await self._start(spec, sockets)
         except BaseException:
-            if listener is not None:
-                listener.remove()
+            if sockets is not None:
+                sockets.remove()
             raise
         finally:
-            if listener is not None:
-                listener.close()
-        if listener is not None and listener.egress is not None and spec.egress is not None:
-            sandbox.serve_egress(listener, spec.egress.session(spec.user, sandbox.id, sandbox.egress_context))
+            if sockets is not None:
+                sockets.close()
+        if sockets is not None and sockets.egress is not None and spec.egress is not None:
+            sandbox.sockets = sockets
+            sockets.serve_egress(spec.egress.session(spec.user, sandbox.id, sandbox.egress_context))
         return sandbox
 
-    async def _start(self, spec: SandboxSpec, listener: _ShimListener | None) -> DockerSandbox:
+    async def _start(self, spec: SandboxSpec, sockets: SandboxSockets | None) -> DockerSandbox:
         # The create runs on in its thread even if we are cancelled: wait for it and
         # remove what it made, or shutdown would leave that container behind.
-        create = asyncio.ensure_future(self._run(self._create, spec, listener.dir if listener else None))
+        create = asyncio.ensure_future(self._run(self._create, spec, sockets.dir if sockets else None))
         try:
             container_id = await asyncio.shield(create)
         except asyncio.CancelledError:
@@ -470,16 +246,13 @@ class DockerBackend:
         self._retry_unremoved()
         sandbox: DockerSandbox | None = None
         try:
-            attach = await self._run(self._attach, container_id, listener is None)
+            attach = await self._run(lambda: attach_socket(self.api(), container_id, with_stdin=sockets is None))
             sandbox = DockerSandbox(container_id, spec.user, self.max_line_bytes, memory=self.config.memory,
                                     inspect=lambda: self._run(lambda: self.api().inspect_container(container_id)))
-            sandbox.attach = attach  # the SDK's socket wrapper closes the fd when collected
-            loop = asyncio.get_running_loop()
-            raw = getattr(attach, "_sock", attach)
-            sandbox.transport, _ = await loop.create_connection(lambda: _AttachProtocol(sandbox), sock=raw)
+            await sandbox.connect_attach(attach, raw_socket(attach))
             await self._run(lambda: self.api().start(container_id))
-            if listener is not None:
-                await self._connect_shim(sandbox, listener)
+            if sockets is not None:
+                await sandbox.connect_shim(sockets)
             ready = await sandbox.channel.ready
             if ready.get("protocol") != SHIM_PROTOCOL:
                 raise BackendUnavailable(
@@ -498,25 +271,6 @@ class DockerBackend:
                 raise BackendUnavailable(f"a sandbox exited before its shim was ready: {tail or exc.message}") from None
             raise
 
-    @staticmethod
-    async def _connect_shim(sandbox: DockerSandbox, listener: _ShimListener) -> None:
-        """Wait for the shim's one connection, or for the sandbox to end first."""
-        accept = asyncio.ensure_future(listener.accept())
-        try:
-            either: set[asyncio.Future[Any]] = {accept, sandbox.channel.ready}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not accept.done():
-                accept.cancel()
-        if not accept.done() or accept.cancelled():
-            # Exited before connecting (raises its reason), or an older image said ready
-            # on stdout (the protocol check refuses it).
-            await sandbox.channel.ready
-            return
-        conn = accept.result()
-        loop = asyncio.get_running_loop()
-        sandbox.shim_transport, _ = await loop.create_connection(lambda: _ShimSocketProtocol(sandbox), sock=conn)
-
     async def destroy(self, sandbox: DockerSandbox) -> None:
         sandbox.close_egress()
         sandbox.drain()
@@ -527,8 +281,7 @@ class DockerBackend:
     async def esbuild(self, directory: Path) -> Esbuild | None:
         if self.config.transport != "socket":
             return None  # attach: the engine may be remote, and cannot be assumed to see the data path
-        labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance}
-        return await self._run(lambda: extract_esbuild(self.api(), self.config.image, directory, labels))
+        return await self._run(self._extract_esbuild, directory)
 
     async def preflight(self) -> None:
         if self.config.transport != "socket":
@@ -583,61 +336,18 @@ class DockerBackend:
     # -- blocking Docker calls (run in the executor) ---------------------------
 
     def _create(self, spec: SandboxSpec, shim_dir: Path | None) -> str:
-        cfg = self.config
-        uid = self.user.split(":")[0]
         # Checked below the data path without following links; the sandbox uid gets access by ACL.
         try:
-            binds, warnings = sandbox_binds(spec, int(uid))
+            binds, warnings = sandbox_binds(spec, sandbox_uid(self.config.user))
         except OSError as exc:  # not the engine's fault: say what, not "unreachable"
             raise BackendUnavailable(f"cannot prepare the sandbox's folders for {spec.user}: {exc}") from None
         for warning in warnings:
             log.warning("sandbox_mount_access", user=spec.user, problem=warning)
-        mounts = [Mount(bind.target, bind.source, type="bind", read_only=bind.read_only) for bind in binds]
-        mounts += [Mount(target, str(source), type="bind", read_only=True) for source, target in spec.read_only_mounts]
-        # /officer/data is the email database's host folder (in binds): SQLite's journal and WAL go there.
-        tmpfs = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size}"}
-        environment = sandbox_env(home=CONTAINER_USER, tools_dir=CONTAINER_TOOLS, user_tools_dir=CONTAINER_USER_TOOLS,
-                                  email_db=CONTAINER_EMAIL_DB)
-        if spec.transpile_cache is not None:
-            environment[CACHE_ENV] = CONTAINER_CACHE
-        if shim_dir is not None:
-            mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
-            environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
-            if spec.egress is not None:  # the shim routes fetch, http(s) and child processes through it
-                environment["SANDBOXD_EGRESS_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{EGRESS_SOCKET_NAME}"
-        host_config = self.api().create_host_config(
-            mounts=mounts,
-            tmpfs=tmpfs,
-            read_only=cfg.read_only_root,
-            cap_drop=["ALL"],
-            cap_add=cfg.cap_add or None,
-            security_opt=["no-new-privileges"] if cfg.no_new_privileges else None,
-            mem_limit=cfg.memory,
-            memswap_limit=cfg.memory,  # no swap: the limit is the limit
-            nano_cpus=int(cfg.cpus * 1e9),
-            pids_limit=cfg.pids_limit,
-            ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="nofile", soft=4096, hard=4096)],
-            init=cfg.init,
-            network_mode=self._network(),
-            runtime=cfg.runtime,
-            ipc_mode="private",
-            # Tool output is read over attach; a json-file log would let a flood fill the disk.
-            log_config=LogConfig(type=LogConfig.types.NONE),
-        )
+        made = container_spec(self.config, spec, instance=self.instance, binds=binds, shim_dir=shim_dir,
+                              name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}", network=self._network())
+        api = self.api()
         try:
-            container = self.api().create_container(
-                cfg.image,
-                name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}",
-                stdin_open=shim_dir is None,  # the protocol's way in, in attach mode only
-                tty=False,
-                user=self.user,
-                environment=environment,
-                working_dir=CONTAINER_USER,
-                labels={LABEL_MANAGED: "1", LABEL_INSTANCE: self.instance, LABEL_USER: spec.user,
-                        LABEL_DATA_PATH: str(spec.root)},
-                host_config=host_config,
-                network_disabled=cfg.network == "none",
-            )
+            container = api.create_container(host_config=api.create_host_config(**made.host_config), **made.container)
         except docker.errors.APIError as exc:
             # An engine that does not share this host's filesystem (remote behind a unix
             # socket, in a VM) and that `docker info` did not give away.
@@ -647,7 +357,29 @@ class DockerBackend:
                     f"share this host's filesystem; {ATTACH_HINT}"
                 ) from None
             raise
-        return container["Id"]
+        return str(container["Id"])
+
+    def _extract_esbuild(self, directory: Path) -> Esbuild:
+        """The image's own esbuild binary, copied to ``directory`` once per version (blocking)."""
+        arch = _ARCHES.get(platform.machine().lower())
+        if arch is None:
+            raise OSError(f"no esbuild binary for this machine ({platform.machine()})")
+        api = self.api()
+        container = api.create_container(**esbuild_source_spec(self.config.image, self.instance))["Id"]
+        try:
+            version = json.loads(_archive_file(api, container, IMAGE_ESBUILD_PACKAGE))["version"]
+            if not isinstance(version, str) or not re.fullmatch(r"[0-9A-Za-z.+-]+", version):
+                raise OSError(f"the image's esbuild has an odd version: {version!r}")
+            binary = directory / f"esbuild-{version}-{arch}"
+            if not binary.exists():
+                directory.mkdir(parents=True, exist_ok=True)
+                temporary = directory / f".{binary.name}.{os.getpid()}"
+                temporary.write_bytes(_archive_file(api, container, IMAGE_ESBUILD_BINARY.format(arch=arch)))
+                temporary.chmod(0o755)
+                os.replace(temporary, binary)
+        finally:
+            api.remove_container(container, force=True)
+        return Esbuild(binary, version)
 
     def _network(self) -> str:
         """The network a new sandbox joins: none by default; the daemon's bridge is made on first use.
@@ -680,16 +412,6 @@ class DockerBackend:
                 "sandboxd makes its own"
             )
         return name
-
-    def _attach(self, container_id: str, with_stdin: bool) -> Any:
-        # Attach before start with logs=0, so no early output is lost or replayed.
-        sock = self.api().attach_socket(
-            container_id, params={"stdin": int(with_stdin), "stdout": 1, "stderr": 1, "stream": 1, "logs": 0}
-        )
-        raw = getattr(sock, "_sock", sock)
-        raw.settimeout(None)  # the SDK leaves a 60 s timeout on it
-        raw.setblocking(False)
-        return sock
 
     def _remove(self, container_id: str) -> None:
         try:

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import __version__
-from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path, shim_line_bytes
+from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallRunner, Calls
@@ -35,7 +36,7 @@ from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
 from sandboxd.tools.transpile_cache import TranspileCache, transpile_bin_dir
 from sandboxd.unixsocket import bind_unix_socket
-from sandboxd.users import check_user, global_tools_dir, user_dir, user_tools_dir
+from sandboxd.users import check_user, global_tools_dir
 
 log = get_logger("sandboxd.server")
 
@@ -52,28 +53,12 @@ def instance_id(config: Config) -> str:
     return hashlib.sha256(str(config.data_path.resolve()).encode()).hexdigest()[:12]
 
 
-def make_backend(config: Config) -> Backend:
-    max_line = shim_line_bytes(config.calls)
-    if config.backend == "docker":
-        from sandboxd.sandbox.docker_backend import DockerBackend
-
-        # Beside the API socket: a runtime directory the engine sees at the same path
-        # (unlike a service's private /tmp).
-        shim_dir = config.socket.parent / f"{config.socket.name}.shims"
-        return DockerBackend(config.sandbox, instance=instance_id(config), max_line_bytes=max_line, shim_dir=shim_dir)
-    if config.backend == "process":
-        from sandboxd.sandbox.process_backend import ProcessBackend
-
-        return ProcessBackend(max_line_bytes=max_line)
-    from sandboxd.sandbox.fake import FakeBackend
-
-    return FakeBackend()
-
-
 class Server:
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend or make_backend(config)
+        # Beside the API socket: a runtime directory the engine sees at the same path (unlike a service's private /tmp).
+        self.backend = backend or make_backend(config, config.backend, instance=instance_id(config),
+                                               shim_dir=config.socket.parent / f"{config.socket.name}.shims")
         # The global tools transpiled on the host, refilled when a scan finds them changed.
         self.transpile_cache = TranspileCache(global_tools_dir(config.data_path), config.data_path)
         self.catalog = ToolCatalog(config.data_path, on_global_change=self.transpile_cache.request)
@@ -102,17 +87,7 @@ class Server:
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
 
     def spec_for(self, user: str) -> SandboxSpec:
-        data = self.config.data_path
-        return SandboxSpec(
-            user=user,
-            tools_dir=global_tools_dir(data),
-            user_dir=user_dir(data, user),
-            user_tools_dir=user_tools_dir(data, user),
-            email_db=email_db_path(self.config, user),
-            root=data,
-            egress=self.egress,
-            transpile_cache=self.transpile_cache.directory,
-        )
+        return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory)
 
     # -- startup ---------------------------------------------------------------
 

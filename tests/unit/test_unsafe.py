@@ -15,7 +15,8 @@ import pytest
 from sandboxd.cli.main import main
 from sandboxd.config import BRIDGE_NETWORK, DEFAULT_NETWORK, UNSAFE_NAMES, Config, SandboxConfig, check_unsandboxed, load_config
 from sandboxd.errors import BackendUnavailable, ConfigError
-from sandboxd.sandbox.docker_backend import ICC_OPTION, LABEL_MANAGED, DockerBackend
+from sandboxd.sandbox.docker_backend import ICC_OPTION, DockerBackend
+from sandboxd.sandbox.docker_spec import LABEL_MANAGED
 from sandboxd.unixsocket import bind_unix_socket, secure_directory
 
 NO_ACCOUNT_UID = next(uid for uid in range(2_000_000_001, 2_000_001_000) if uid not in {p.pw_uid for p in pwd.getpwall()})
@@ -273,9 +274,10 @@ def test_allow_unsafe_changes_live_with_the_sandbox_settings_it_accepts() -> Non
 def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -> None:
     import asyncio
 
-    from sandboxd.sandbox.docker_backend import SHIM_SOCKET_NAME, _ShimListener
+    from sandboxd.sandbox.docker_sockets import SandboxSockets
+    from sandboxd.sandbox.docker_spec import SHIM_SOCKET_NAME
 
-    async def connect_to(listener: _ShimListener) -> socket.socket:
+    async def connect_to(listener: SandboxSockets) -> socket.socket:
         client = socket.socket(socket.AF_UNIX)
         client.connect(str(listener.dir / SHIM_SOCKET_NAME))
         try:
@@ -284,14 +286,14 @@ def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -
             client.close()
 
     async def scenario() -> None:
-        stranger = _ShimListener(tmp_path, "test", uid=NO_ACCOUNT_UID)  # we are not the sandbox's uid
+        stranger = SandboxSockets(tmp_path, "test", uid=NO_ACCOUNT_UID)  # we are not the sandbox's uid
         try:
             with pytest.raises(BackendUnavailable, match=rf"not the sandbox's shim \(pid {os.getpid()}, uid "
                                                          rf"{os.geteuid()}; the sandbox runs as {NO_ACCOUNT_UID}\)"):
                 await connect_to(stranger)
         finally:
             stranger.close()
-        own = _ShimListener(tmp_path, "test", uid=os.geteuid())
+        own = SandboxSockets(tmp_path, "test", uid=os.geteuid())
         try:
             (await connect_to(own)).close()
         finally:
@@ -311,7 +313,7 @@ def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -
     ({}, "the Docker engine did not say why"),
 ])
 def test_each_way_a_container_ends_gets_its_own_words(state: dict[str, Any], words: str) -> None:
-    from sandboxd.sandbox.docker_backend import exit_message
+    from sandboxd.sandbox.docker_exits import exit_message
 
     message = exit_message(state, "96m", "last line")
     assert words in message

@@ -1,0 +1,104 @@
+"""The sockets of one Docker sandbox, in a directory only that sandbox mounts.
+
+The parent directory is the daemon's own (0700), so on the host only root and the daemon's
+user can reach them. ``shim.sock``: the shim connects once, before any tool code runs, and
+the listener is gone after that one connection, which must come from the sandbox's uid
+(SO_PEERCRED), or the start fails. ``egress.sock`` (when the sandbox has a way out) stays
+for the sandbox's life, served by its proxy session (egress/proxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+from sandboxd.errors import BackendUnavailable
+from sandboxd.sandbox.backend import EgressSession
+from sandboxd.sandbox.docker_spec import EGRESS_SOCKET_NAME, SHIM_SOCKET_NAME
+from sandboxd.service.peercred import peer_credentials
+
+
+class SandboxSockets:
+    def __init__(self, parent: Path, instance: str, uid: int, *, egress: bool = False) -> None:
+        self.uid = uid
+        self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
+        self.dir.mkdir(mode=0o755)
+        os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
+        self.sock: socket.socket | None = None
+        self.egress: socket.socket | None = None
+        self._egress_session: EgressSession | None = None
+        self._egress_accept: asyncio.Task[None] | None = None
+        try:
+            self.sock = self._bind(SHIM_SOCKET_NAME, backlog=1)
+            if egress:
+                self.egress = self._bind(EGRESS_SOCKET_NAME, backlog=64)
+        except BaseException:
+            self.close()
+            self.remove()
+            raise
+
+    def _bind(self, name: str, backlog: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Through the directory's fd: a socket path longer than 108 bytes still binds.
+            dir_fd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY)
+            try:
+                sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
+            finally:
+                os.close(dir_fd)
+            os.chmod(self.dir / name, 0o666)  # the sandbox's uid may differ from ours
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def accept(self) -> socket.socket:
+        """The shim's one connection; BackendUnavailable when another process made it."""
+        assert self.sock is not None
+        conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
+        peer = peer_credentials(conn)
+        if peer.uid != self.uid:
+            conn.close()
+            raise BackendUnavailable(
+                f"a process that is not the sandbox's shim (pid {peer.pid}, uid {peer.uid}; the sandbox runs as "
+                f"{self.uid}) connected to its socket {self.dir / SHIM_SOCKET_NAME}; the sandbox was not used"
+            )
+        return conn
+
+    def serve_egress(self, session: EgressSession) -> None:
+        """Hand each connection to ``egress.sock`` to the proxy's session for this sandbox, until ``remove``."""
+        assert self.egress is not None
+        self._egress_session = session
+        self._egress_accept = asyncio.get_running_loop().create_task(session.serve(self.egress, self.uid))
+
+    def close(self) -> None:
+        """Stop listening for the shim and remove its socket (the sandbox keeps its open connection);
+        the directory goes too unless egress is served from it."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            try:
+                os.unlink(self.dir / SHIM_SOCKET_NAME)
+            except OSError:
+                pass
+        if self.egress is None:
+            self.remove()
+
+    def remove(self) -> None:
+        """End the sandbox's way out (no new connections, the open ones closed) and remove the
+        directory with what is left in it: the sandbox is gone."""
+        if self._egress_accept is not None:
+            self._egress_accept.cancel()
+            self._egress_accept = None
+        if self._egress_session is not None:
+            self._egress_session.close()
+            self._egress_session = None
+        if self.egress is not None:
+            self.egress.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,124 @@
+"""The Docker sandbox's container, read flag by flag from the pure spec function (no engine needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.config import AUTO_SANDBOX_ID, SandboxConfig
+from sandboxd.sandbox.backend import SandboxSpec
+from sandboxd.sandbox.docker_attach import STDOUT, Frames, frame
+from sandboxd.sandbox.docker_spec import (
+    CONTAINER_SHIM_DIR,
+    LABEL_DATA_PATH,
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    LABEL_USER,
+    ContainerSpec,
+    container_spec,
+    esbuild_source_spec,
+)
+from sandboxd.sandbox.mounts import Bind
+
+
+class _NoEgress:
+    def session(self, user: str, sandbox_id: str, context: Any) -> Any:
+        raise AssertionError("not called by a pure function")
+
+
+def make(tmp_path: Path, *, shim_dir: Path | None = Path("/run/s/x"), egress: bool = True,
+         cache: bool = True, **settings: Any) -> ContainerSpec:
+    spec = SandboxSpec(user="a@example.com", tools_dir=tmp_path / "tools", user_dir=tmp_path / "a@example.com",
+                       user_tools_dir=tmp_path / "a@example.com" / "tools", email_db=None, root=tmp_path,
+                       read_only_mounts=((tmp_path / "one", "/officer/user/tools/one"),),
+                       transpile_cache=tmp_path / "cache" if cache else None,
+                       egress=_NoEgress() if egress else None)
+    binds = [Bind("/officer/user", str(tmp_path / "a@example.com"), read_only=False)]
+    return container_spec(SandboxConfig(**settings), spec, instance="abc123", name="sandboxd-abc-1", binds=binds,
+                          shim_dir=shim_dir, network="none")
+
+
+def test_the_default_container_is_hardened_flag_by_flag(tmp_path: Path) -> None:
+    host = make(tmp_path).host_config
+    assert host["cap_drop"] == ["ALL"] and host["cap_add"] is None
+    assert host["security_opt"] == ["no-new-privileges"]
+    assert host["read_only"] is True
+    assert host["mem_limit"] == host["memswap_limit"] == "256m"  # no swap
+    assert host["nano_cpus"] == 1_000_000_000
+    assert host["pids_limit"] == 128
+    assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["ulimits"]} == {("core", 0, 0), ("nofile", 4096, 4096)}
+    assert host["init"] is True
+    assert host["ipc_mode"] == "private"
+    assert host["network_mode"] == "none"
+    assert host["runtime"] is None
+    assert host["log_config"]["Type"] == "none"  # a flood cannot fill the disk
+    assert host["tmpfs"] == {"/tmp": "rw,nosuid,nodev,size=64m"}
+
+
+def test_the_container_runs_as_the_sandbox_uid_labelled_as_this_daemon_s(tmp_path: Path) -> None:
+    container = make(tmp_path).container
+    assert container["user"] == f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
+    assert container["labels"] == {LABEL_MANAGED: "1", LABEL_INSTANCE: "abc123", LABEL_USER: "a@example.com",
+                                   LABEL_DATA_PATH: str(tmp_path)}
+    assert container["network_disabled"] is True
+    assert container["tty"] is False and container["working_dir"] == "/officer/user"
+
+
+def test_settings_reach_their_flags(tmp_path: Path) -> None:
+    made = make(tmp_path, memory="96m", cpus=0.25, pids_limit=4096, runtime="runsc", read_only_root=False,
+                no_new_privileges=False, cap_add=["NET_RAW"], user="1000:1000", init=False, tmp_size="8m")
+    host, container = made.host_config, made.container
+    assert (host["mem_limit"], host["memswap_limit"], host["nano_cpus"], host["pids_limit"]) == ("96m", "96m",
+                                                                                                 250_000_000, 4096)
+    assert host["runtime"] == "runsc" and host["read_only"] is False and host["security_opt"] is None
+    assert host["cap_add"] == ["NET_RAW"] and host["init"] is False
+    assert host["tmpfs"]["/tmp"].endswith("size=8m")
+    assert container["user"] == "1000:1000"
+
+
+def test_socket_mode_mounts_the_socket_directory_read_only_and_closes_stdin(tmp_path: Path) -> None:
+    made = make(tmp_path)
+    mounts = {m["Target"]: m for m in made.host_config["mounts"]}
+    assert mounts[CONTAINER_SHIM_DIR]["Source"] == "/run/s/x" and mounts[CONTAINER_SHIM_DIR]["ReadOnly"] is True
+    env = made.container["environment"]
+    assert env["SANDBOXD_SHIM_SOCKET"] == f"{CONTAINER_SHIM_DIR}/shim.sock"
+    assert env["SANDBOXD_EGRESS_SOCKET"] == f"{CONTAINER_SHIM_DIR}/egress.sock"
+    assert made.container["stdin_open"] is False
+
+
+def test_attach_mode_has_no_socket_directory_and_no_way_out(tmp_path: Path) -> None:
+    made = make(tmp_path, shim_dir=None)
+    assert CONTAINER_SHIM_DIR not in {m["Target"] for m in made.host_config["mounts"]}
+    assert not {"SANDBOXD_SHIM_SOCKET", "SANDBOXD_EGRESS_SOCKET"} & set(made.container["environment"])
+    assert made.container["stdin_open"] is True
+
+
+def test_no_egress_socket_without_egress_and_no_cache_variable_without_a_cache(tmp_path: Path) -> None:
+    env = make(tmp_path, egress=False, cache=False).container["environment"]
+    assert "SANDBOXD_EGRESS_SOCKET" not in env and "SANDBOXD_TRANSPILE_CACHE" not in env
+    assert make(tmp_path).container["environment"]["SANDBOXD_TRANSPILE_CACHE"] == "/officer/cache"
+
+
+def test_the_user_folders_and_the_run_s_tool_are_mounted_as_given(tmp_path: Path) -> None:
+    mounts = {m["Target"]: m for m in make(tmp_path).host_config["mounts"]}
+    assert mounts["/officer/user"]["ReadOnly"] is False
+    assert mounts["/officer/user/tools/one"]["ReadOnly"] is True
+    assert mounts["/officer/user/tools/one"]["Source"] == str(tmp_path / "one")
+
+
+def test_the_esbuild_source_container_is_offline_inert_and_labelled() -> None:
+    spec = esbuild_source_spec("img:1", "abc123")
+    assert spec["command"] == ["true"] and spec["entrypoint"] == [] and spec["network_disabled"] is True
+    assert spec["labels"] == {LABEL_MANAGED: "1", LABEL_INSTANCE: "abc123"}
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8, 9, 13, 50])
+def test_attach_frames_survive_reads_cut_anywhere(cut: int) -> None:
+    stream = frame(STDOUT, b"ready\n") + frame(2, b"a tool's line") + frame(STDOUT, b"") + frame(2, b"x" * 20)
+    frames = Frames()
+    got = []
+    for offset in range(0, len(stream), cut):
+        got += frames.feed(stream[offset:offset + cut])
+    assert got == [(STDOUT, b"ready\n"), (2, b"a tool's line"), (STDOUT, b""), (2, b"x" * 20)]
