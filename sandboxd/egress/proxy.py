@@ -112,10 +112,18 @@ class EgressProxy:
         # The hosts whose https:// requests the proxy makes itself (the TLS its own).
         self.secret_hosts = tuple(entry for name, hosts in config.secrets.items()
                                   for entry in parse_secret_hosts(name, hosts))
-        self.tls = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
-        if config.ca_file:  # besides the host's own trust store, which cafile= alone would replace
-            self.tls.load_default_certs()
-        self.tls.set_alpn_protocols(["http/1.1"])
+        self._tls: ssl.SSLContext | None = None  # made at the first use: loading the trust store takes a while
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        """How the proxy checks a secret's host: the host's trust store, and egress.ca_file."""
+        if self._tls is None:
+            ca_file = self.config.ca_file
+            self._tls = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+            if ca_file:  # besides the host's own trust store, which cafile= alone would replace
+                self._tls.load_default_certs()
+            self._tls.set_alpn_protocols(["http/1.1"])
+        return self._tls
 
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession:
         return EgressSession(self, user, sandbox_id, context)
