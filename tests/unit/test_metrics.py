@@ -208,3 +208,12 @@ def test_egress_decisions_are_counted_by_decision_and_reason(tmp_path: Path) -> 
                        (("decision", "refused"), ("reason", "private address")))] == 1
 
     run_server(tmp_path, test)
+
+
+def test_secret_substitutions_are_counted_by_name(tmp_path: Path) -> None:
+    async def test(server: Server) -> None:
+        server.egress.secret_uses.update(["OFFICER_APIFY_TOKEN", "OFFICER_APIFY_TOKEN"])  # as two requests would
+        values = samples(server.metrics.render()[0].decode())
+        assert values[("sandboxd_egress_secret_uses_total", (("name", "OFFICER_APIFY_TOKEN"),))] == 2
+
+    run_server(tmp_path, test)
