@@ -38,6 +38,7 @@ class RawHost:
     """`sandboxd mcp` as a child with plain pipes; ``read`` waits for the next line it writes."""
 
     def __init__(self, daemon: Any, *, reading: bool = True) -> None:
+        self.daemon = daemon
         self.proc = subprocess.Popen(mcp_command(daemon), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(daemon.tmp / "mcp-hostile.log", "ab"), env=server_env(), cwd=REPO)
         self.lines: queue.Queue[bytes] = queue.Queue()
@@ -56,7 +57,12 @@ class RawHost:
         self.proc.stdin.flush()
 
     def read(self, timeout: float = 20) -> dict[str, Any]:
-        return json.loads(self.lines.get(timeout=timeout))
+        """The next answer; notifications (a list_changed can come at any time) are skipped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            message: dict[str, Any] = json.loads(self.lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            if "id" in message or "method" not in message:
+                return message
 
     def answer(self, request_id: Any, timeout: float = 30) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -77,7 +83,13 @@ class RawHost:
         if self.reading:
             assert self.answer("warm")["result"]["content"][0]["text"] == "Hello, warm!"
         else:
-            time.sleep(3)
+            # Unread, the answer is seen in the daemon's log; a fixed sleep measured a busy machine's
+            # first call still importing as if it were growth.
+            deadline = time.monotonic() + 60
+            while not self.daemon.events("call", tool="hello") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert self.daemon.events("call", tool="hello"), "the warm-up call never ran"
+            time.sleep(0.5)  # its answer written to the pipe
         return memory_kib(self.proc.pid, "VmRSS")
 
     def close(self) -> int:
