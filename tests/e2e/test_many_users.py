@@ -22,7 +22,7 @@ import pytest
 
 from bench.source import Source
 from sandboxd.server.connection import RefusedPeers
-from tests.e2e.neighbours import Background, Pinger, Spent, percentile, wait_for_pool, warm_call_seconds
+from tests.e2e.neighbours import Background, Pinger, Spent, percentile, ping_bound_ms, wait_for_pool, warm_call_seconds
 
 pytestmark = pytest.mark.docker
 
@@ -145,7 +145,7 @@ def test_the_control_plane_stays_fast_while_eight_sandboxes_download(make_daemon
                 cpu_ms_per_mib=round(cpu_ms_per_mib, 2), ping_p99_ms=[round(x, 2) for x in ping],
                 call_p50_ms=[round(x, 2) for x in call])
         assert moved_mib / spent.wall_s > 64, "the downloads did not run at their rate"
-        assert ping[1] <= 10, ping
+        assert ping[1] <= ping_bound_ms(quiet.seconds), ping
         assert call[1] <= 3 * call[0], call
         assert cpu_ms_per_mib <= 1.2, cpu_ms_per_mib
 
@@ -178,6 +178,8 @@ def test_a_refused_connection_flood_from_four_sandboxes_costs_the_daemon_little(
     destination, a private address, is refused by the policy before any connect."""
     daemon = make_daemon()
     warm_call_seconds(daemon, BYSTANDER, 10)
+    with Pinger(daemon) as quiet:
+        time.sleep(3)
     background = Background(daemon)
     for i in range(4):
         background.call(f"flood{i}@example.com", "egress_probe", {"mode": "routes"})
@@ -204,7 +206,7 @@ def test_a_refused_connection_flood_from_four_sandboxes_costs_the_daemon_little(
     assert refused > 0 and not [k for k in outcomes if k.startswith("HTTP/") and "403" not in k], outcomes
     assert spent.cores <= 0.25, spent.cores
     assert spent.log_bytes <= 512 << 10, spent.log_bytes
-    assert ping_p99 <= 10, ping_p99
+    assert ping_p99 <= ping_bound_ms(quiet.seconds), (ping_p99, percentile(quiet.seconds, 0.99) * 1000)
     # Every decision is counted, though few are logged; the drop is said in a summary line.
     with daemon.client() as client:
         client.request("ping")
@@ -247,6 +249,8 @@ def test_a_refused_client_reconnecting_in_a_loop_costs_the_log_a_bounded_amount(
     daemon = make_daemon(config="allowed_uids: [4242]\nsocket_mode: '0666'\n", start=False)
     daemon.socket.parent.chmod(0o755)  # the client, uid 65534, must reach the socket
     daemon.start()
+    with Pinger(daemon) as quiet:
+        time.sleep(3)
     with Spent(daemon) as spent, Pinger(daemon) as bystander:
         clients = [subprocess.Popen([SYSTEM_PYTHON, "-c", _RECONNECT, str(daemon.socket), "5"], user=65534, cwd="/",
                                     stdout=subprocess.PIPE, text=True) for _ in range(8)]
@@ -258,7 +262,7 @@ def test_a_refused_client_reconnecting_in_a_loop_costs_the_log_a_bounded_amount(
     assert connections <= 8 * (5 / RefusedPeers.DELAY_S + 1), connections
     assert spent.cores <= 0.1, spent.cores
     assert len(refusals) == connections and spent.log_bytes <= 64 << 10, (len(refusals), spent.log_bytes)
-    assert ping_p99 <= 10, ping_p99
+    assert ping_p99 <= ping_bound_ms(quiet.seconds), (ping_p99, percentile(quiet.seconds, 0.99) * 1000)
 
 
 def test_a_refused_peers_lines_are_held_to_its_uids_budget(make_daemon: Any) -> None:
