@@ -542,9 +542,10 @@ def _parse(head: bytes) -> tuple[str, str, str, int, bytes]:
     path = url.path or "/"
     if url.query:
         path += "?" + url.query
-    headers = [line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS]
-    if not any(line.split(b":", 1)[0].strip().lower() == b"host" for line in headers):
-        headers.insert(0, b"Host: " + url.netloc.encode())
+    # Host is the URL's, whatever the request said (RFC 9112, 3.2.2): a Host of its own would let a tool
+    # send a request checked for one name to another site on the same server (a CDN's), secrets and all.
+    headers = [line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS | {b"host"}]
+    headers.insert(0, b"Host: " + url.netloc.encode())
     forward = b"\r\n".join([f"{method} {path} HTTP/1.1".encode(), *headers, b"Connection: close", b"", b""])
     return method, url.scheme, host, port, forward
 

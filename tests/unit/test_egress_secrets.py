@@ -214,11 +214,13 @@ def test_the_proxy_puts_the_value_in_the_head_never_the_body_and_logs_the_name(t
         (sent_head, sent_body), = own.requests
         assert f"Authorization: Bearer {TOKEN}".encode() in sent_head and b"token=real-token%2F" in sent_head
         assert sent_body == body and TOKEN.encode() not in sent_body
-        other_request = (f"GET http://127.0.0.1:{other.port}/?token={stand_in} HTTP/1.1\r\n"
+        # Another host named in Host gets nowhere: the URL says where the request goes, and its Host too.
+        other_request = (f"GET http://127.0.0.1:{other.port}/?token={stand_in} HTTP/1.1\r\nHost: {entry}\r\n"
                          f"Authorization: Bearer {stand_in}\r\n\r\n").encode()
         assert (await send(session, other_request)).endswith(b"ok")
         (other_head, _), = other.requests
         assert stand_in.encode() in other_head and TOKEN.encode() not in other_head
+        assert f"\r\nHost: 127.0.0.1:{other.port}\r\n".encode() in other_head and entry.encode() not in other_head
         assert proxy.secret_uses == {"T": 1}
 
     asyncio.run(scenario())
@@ -239,11 +241,13 @@ def test_https_in_absolute_form_is_made_by_the_proxy_verifying_the_origin(tmp_pa
         proxy = EgressProxy(EgressConfig(allow=entries, secrets={"T": entries}, ca_file=ca.ca_file))
         env, found = StandIns.for_call({"T": TOKEN}, {"T": entries})
         session = proxy.session("a@b.c", "s", lambda: ("t", frozenset({TOKEN}), found))
+        # A Host of the tool's choosing (domain fronting: another site behind the same server) is replaced.
         answer = await send(session, (f"GET https://127.0.0.1:{own.port}/?k={env['T']} HTTP/1.1\r\n"
-                                      f"X-Key: {env['T']}\r\n\r\n").encode())
+                                      f"Host: attacker.example\r\nX-Key: {env['T']}\r\n\r\n").encode())
         assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"ok"), answer
         (sent, _), = own.requests
         assert f"X-Key: {TOKEN}".encode() in sent and b"?k=real-token%2F" in sent
+        assert f"\r\nHost: 127.0.0.1:{own.port}\r\n".encode() in sent and b"attacker" not in sent
         refused = await send(session, f"GET https://127.0.0.1:{impostor.port}/ HTTP/1.1\r\nX-Key: {env['T']}\r\n\r\n"
                              .encode())
         assert refused.startswith(b"HTTP/1.1 502") and b"certificate was not accepted" in refused, refused
