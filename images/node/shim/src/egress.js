@@ -380,8 +380,10 @@ function secretAware(Agent) {
       if (!this.viaProxy) {
         this.viaProxy = new Agent({ connect: (_options, callback) => proxyConnection(callback) });
       }
-      const headers = headerPairs(opts.headers).filter(([k]) => String(k).toLowerCase() !== 'host');
-      headers.unshift(['host', origin.host]);
+      const headers = headerPairs(opts.headers).filter(([k]) => !['host', 'connection'].includes(String(k).toLowerCase()));
+      // One request per connection, as the proxy serves them: undici must not reuse it for
+      // another host's request (all of them share the proxy's origin here).
+      headers.unshift(['host', origin.host], ['connection', 'close']);
       return this.viaProxy.dispatch({
         ...opts,
         origin: 'http://sandboxd-egress',

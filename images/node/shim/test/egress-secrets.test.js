@@ -61,6 +61,7 @@ test('fetch to a secret host: absolute form with its Host and headers, plain to 
   assert.equal(line, 'GET https://api.example.test/v1/run?token=STAND-IN HTTP/1.1');
   assert.equal(headers.host, 'api.example.test');
   assert.equal(headers.authorization, 'Bearer STAND-IN');
+  assert.equal(headers.connection, 'close'); // never reused for another host's request
   await fetch('https://eu.apify.test:8443/x', { method: 'POST', body: 'b' });
   assert.equal(lastHead().line, 'POST https://eu.apify.test:8443/x HTTP/1.1');
   assert.equal(lastHead().headers.host, 'eu.apify.test:8443');
