@@ -41,6 +41,17 @@ def parse_secret_hosts(name: str, hosts: list[str]) -> tuple[AllowEntry, ...]:
     return tuple(entries)
 
 
+def value_problem(name: str, value: str) -> str | None:
+    """Why an egress secret's value cannot be used (naming the variable, never the value), or None.
+
+    A control character could not go into a header: a line break there would end it and
+    start one of the sandbox's making."""
+    if _CONTROL.search(value):
+        return (f"{name} is an egress secret (egress.secrets) and may not hold control characters "
+                "(line breaks, tabs, NUL): its value goes into HTTP headers")
+    return None
+
+
 def names_host(entries: Iterable[AllowEntry], host: str, port: int, ports: frozenset[int]) -> bool:
     """Does one of ``entries`` name ``host:port`` (lower case, as the proxy parsed it)?
 
@@ -111,16 +122,11 @@ class StandIns:
     @classmethod
     def for_call(cls, env: Mapping[str, str], config: Mapping[str, list[str]]) -> tuple[dict[str, str], StandIns]:
         """The env the sandbox gets (a stand-in for each value ``config`` names) and the stand-ins.
-
-        ValueError (naming the variable, never its value) for a value that could not go
-        into a header: a line break there would be a header of the sandbox's making."""
+        The values passed ``value_problem`` (tools/call's params check)."""
         sandbox_env, items = dict(env), []
         for name, value in env.items():
             if name not in config:
                 continue
-            if _CONTROL.search(value):
-                raise ValueError(f"env {name} is an egress secret (egress.secrets) and may not hold control "
-                                 "characters (line breaks, tabs, NUL): its value goes into HTTP headers")
             stand_in = f"{STAND_IN_PREFIX}{random.token_hex(16)}"
             items.append(Secret(name, value, stand_in, parse_secret_hosts(name, config[name])))
             sandbox_env[name] = stand_in

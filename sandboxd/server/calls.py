@@ -21,11 +21,11 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from sandboxd import strictjson
 from sandboxd.config import Config
-from sandboxd.egress.secrets import StandIns
+from sandboxd.egress.secrets import StandIns, value_problem
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
@@ -137,7 +137,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
         tool_call_id = f"call_{secrets.token_hex(8)}"
     elif not isinstance(tool_call_id, str) or not tool_call_id or len(tool_call_id) > 256:
         raise InvalidParams("'toolCallId' must be a non-empty string of at most 256 characters.")
-    env = _check_env(params.get("env"), config.calls.allowed_env)
+    env = _check_env(params.get("env"), config.calls.allowed_env, config.egress.secrets)
     timeout_ms = params.get("timeoutMs")
     if timeout_ms is None:
         timeout_ms = config.calls.default_timeout_ms
@@ -147,7 +147,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     return CallParams(user, tool, arguments, tool_call_id, env, timeout_ms / 1000)
 
 
-def _check_env(env: Any, allowed: list[str]) -> dict[str, str]:
+def _check_env(env: Any, allowed: list[str], secrets: Mapping[str, list[str]] | None = None) -> dict[str, str]:
     if env is None:
         return {}
     if not isinstance(env, dict):
@@ -160,6 +160,8 @@ def _check_env(env: Any, allowed: list[str]) -> dict[str, str]:
             problems.append(f"{key} is not an allowed env name (allowed: {', '.join(allowed)}; see calls.allowed_env)")
         elif not isinstance(value, str):
             problems.append(f"{key} must be a string")
+        elif secrets and key in secrets and (problem := value_problem(key, value)):
+            problems.append(problem)
     if problems:
         # Names only: env values are secrets and never appear in an error.
         raise InvalidParams("forbidden env: " + "; ".join(problems) + ".", data={"names": sorted(env)})
@@ -315,10 +317,8 @@ class CallRunner:
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
         if ctx.cancel_reason is not None:  # cancelled before it got here
             return _not_started(ctx, started)
-        try:  # the sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py)
-            env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
-        except ValueError as exc:
-            raise InvalidParams(str(exc)) from None
+        # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
+        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
         ctx.enter_queue()
         queued_at = time.monotonic()
         pooled = await self.pool.acquire(call.user)

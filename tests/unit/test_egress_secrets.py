@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
+from sandboxd.sandbox.backend import CallRequest
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.logging import configure_logging, secret_values
 from tests.tls_certs import make_ca
+from tests.unit.test_server import USER, Harness, serving
 
 TOKEN = "real-token/with+odd=chars&more"
 PORTS = frozenset({80, 443})
@@ -127,10 +129,6 @@ def test_each_secret_goes_only_to_its_own_hosts() -> None:
     assert rewrite.substituted == ("A_TOKEN",) and rewrite.misdirected == ("B_TOKEN",)
 
 
-def test_a_value_with_a_line_break_is_refused_naming_the_variable_only() -> None:
-    with pytest.raises(ValueError, match="env OFFICER_APIFY_TOKEN is an egress secret") as info:
-        StandIns.for_call({"OFFICER_APIFY_TOKEN": "tok\r\nX-Evil: 1"}, {"OFFICER_APIFY_TOKEN": ["a.example.com"]})
-    assert "tok" not in str(info.value)
 
 
 def test_the_shim_is_told_the_hosts_not_the_values() -> None:
@@ -260,3 +258,28 @@ def test_https_in_absolute_form_is_made_by_the_proxy_verifying_the_origin(tmp_pa
         assert len(own.requests) == 1
 
     asyncio.run(scenario())
+
+
+def test_a_call_sends_its_sandbox_stand_ins_and_the_hosts_and_a_bad_value_is_refused(tmp_path: Path) -> None:
+    sent: list[CallRequest] = []
+
+    async def record(request: CallRequest, on_progress: Any, aborted: asyncio.Event) -> dict[str, Any]:
+        sent.append(request)
+        return {"status": "ok", "content": [{"type": "text", "text": "hi"}], "isError": False}
+
+    @serving(tmp_path, record, egress={"secrets": {"OFFICER_APIFY_TOKEN": ["api.example.com"]}})
+    async def _(h: Harness) -> None:
+        conn = await h.connect()
+        call = {"user": USER, "name": "hello", "arguments": {"name": "x"},
+                "env": {"OFFICER_APIFY_TOKEN": TOKEN, "PI_SEARXNG_URL": "http://searx:8080"}}
+        assert (await conn.request("tools/call", call))["result"]["status"] == "ok"
+        (request,) = sent
+        params = request.to_params()
+        assert params["env"]["OFFICER_APIFY_TOKEN"].startswith(STAND_IN_PREFIX)
+        assert params["env"]["PI_SEARXNG_URL"] == "http://searx:8080" and TOKEN not in json.dumps(params)
+        assert params["egressSecretHosts"] == [{"port": None, "host": "api.example.com"}]
+        assert request.stand_ins is not None and request.stand_ins.secrets[0].value == TOKEN
+        bad = await conn.request("tools/call", {**call, "env": {"OFFICER_APIFY_TOKEN": "tok\r\nX-Evil: 1"}},
+                                 request_id=2)
+        assert bad["error"]["code"] == -32602 and "OFFICER_APIFY_TOKEN is an egress secret" in bad["error"]["message"]
+        assert "tok" not in bad["error"]["message"] and len(sent) == 1
