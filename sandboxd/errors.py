@@ -60,6 +60,9 @@ class ShuttingDown(SandboxdError):
 
     code = -32002
 
+    def __init__(self) -> None:
+        super().__init__("sandboxd is shutting down and takes no new calls; retry once it is back.")
+
 
 class PeerRefused(SandboxdError):
     """The process on the other end of a connection is not allowed by allowed_uids/allowed_gids."""

@@ -4,7 +4,9 @@ Secrets reach logs two ways: under a key that names them (``env``, ``token``,
 ...), or as a value inside some other string (a tool echoing its token to
 stderr). ``redact`` handles both: it masks sensitive keys, and replaces every
 value registered with ``secret_values`` for the current task (a call's env
-values and sensitive arguments) wherever it appears in the event.
+values and sensitive arguments) wherever it appears in the event. Code that logs
+for a call outside its task (its sandbox's output) is handed the values and masks
+them with ``masking``.
 
 The log is shared by every user, and a sandbox or a client can cause lines at the
 rate it likes (refused egress, crashes, calls, reconnects). Such a line names whose it
@@ -33,19 +35,15 @@ _secrets: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("sandb
 
 
 @contextlib.contextmanager
-def secret_values(values: Iterable[Any]) -> Iterator[None]:
-    """Mask these values in every event logged by this task (and tasks it starts) until exit."""
-    found = {str(v) for v in values if v is not None and len(str(v)) >= _MIN_SECRET_LENGTH}
+def secret_values(values: Iterable[Any]) -> Iterator[frozenset[str]]:
+    """Mask these values in every event logged by this task (and tasks it starts) until exit;
+    yields those masked (long enough to be told from ordinary words) for ``masking`` elsewhere."""
+    found = frozenset(str(v) for v in values if v is not None and len(str(v)) >= _MIN_SECRET_LENGTH)
     token = _secrets.set(_secrets.get() | found)
     try:
-        yield
+        yield found
     finally:
         _secrets.reset(token)
-
-
-def current_secrets() -> frozenset[str]:
-    """The values masked in this task's events (those ``secret_values`` registered)."""
-    return _secrets.get()
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ class DevSession:
         """Run execute() once; the result object is the daemon's (content, isError, status, durationMs)."""
         self.calls += 1
         params = CallParams(self.spec.user, tool, arguments, f"run_{self.calls}", {}, timeout_s)
-        ctx = self._current = CallContext(request_id=self.calls)
+        ctx = self._current = CallContext()
         try:
             # In a task of its own: a cancel while it waits for the sandbox cancels that task, not ours.
             return await asyncio.ensure_future(self.runner.run(params, ctx, on_progress))

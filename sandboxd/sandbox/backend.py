@@ -118,9 +118,11 @@ class CallRequest:
     env: dict[str, str] = field(default_factory=dict)
     max_result_bytes: int = 1 << 20
     # Not sent: the budget the sandbox is held to from this call on (until the next one),
-    # and the tool's name for what the sandbox logs meanwhile (egress).
+    # the tool's name for what the sandbox logs meanwhile (egress), and the call's secrets,
+    # which the sandbox's logged output is masked against from now on.
     output_limits: OutputLimits = OutputLimits()
     tool: str = ""
+    secrets: frozenset[str] = frozenset()
     # The real values behind the stand-ins in ``env`` (egress.secrets): sent only as the hosts
     # whose requests the shim must let the egress proxy read.
     stand_ins: StandIns | None = None

@@ -131,7 +131,7 @@ class Pool:
     async def acquire(self, user: str, timeout: float | None = None) -> PooledSandbox:
         """An idle sandbox of ``user``, started if need be; raises Overloaded past the deadline."""
         if self._closing:
-            raise ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
+            raise ShuttingDown()
         self._last_call[user] = self._clock()
         if not self._waiters:
             # The common call: nobody waits, so a plan of this user's sandboxes alone hands it
@@ -209,7 +209,7 @@ class Pool:
         self._closing = True
         for waiter in self._waiters:
             if not waiter.future.done():
-                waiter.future.set_exception(ShuttingDown("sandboxd is shutting down; retry once it is back."))
+                waiter.future.set_exception(ShuttingDown())
         self._waiters.clear()
         deadline = self._clock() + grace
         # No plan runs from here on: a call's end stays a recorded fact.

@@ -26,7 +26,7 @@ from sandboxd import strictjson
 from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
-from sandboxd.logging import current_secrets, get_logger, masking, source
+from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import CallRequest, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
@@ -222,9 +222,8 @@ class ShimSandbox:
         self.stderr_tail.clear()
         self._limits = request.output_limits
         self._idle_output = 0
-        # The caller's redaction context (CallRunner's secret_values) names this call's secrets.
         if len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
-            self._secrets |= current_secrets()
+            self._secrets |= request.secrets
         future = self.channel.call(request, on_progress)
         self._running_tool = request.tool or None
         self._stand_ins = request.stand_ins or StandIns()

@@ -1,10 +1,17 @@
-"""One tools/call from request to answer.
+"""One tools/call, from its request to its answer: admit → check → run → answer.
 
-``ConnectionCalls`` is one connection's calls in flight by request id (the tools/call
-method, cancels, a disconnect, back-pressure); ``Calls`` is every call in flight on
-the daemon and the lifecycle they share (refused while stopping → params checked,
-after a tools scan if the tools changed → run → answered); ``CallRunner`` runs one
-call from checked params to result: acquire → call → release.
+The dispatcher (rpc.py) owns the request: its id while it is in flight, and the cancel,
+the disconnect and the back-pressure that reach its ``CallContext`` meanwhile. Here:
+
+- ``Calls.start`` is the tools/call method: it admits the call (none once the daemon
+  stops) and checks its params (``parse_call_params``), and hands the rest to the
+  dispatcher to await;
+- ``Calls.answer`` is that rest: a tools scan and the check when the tools changed,
+  then the run; the call counts in ``Calls.in_flight`` (what shutdown waits for) until
+  it is answered;
+- ``CallRunner.run`` runs checked params: acquire a sandbox (pool.py) → call its shim
+  (the sandbox's backend) → release it, every outcome a result (``sandboxd run`` runs
+  its calls through it too).
 
 Each phase has one deadline: the queue (pool.acquire_timeout_ms), the call
 (timeoutMs, capped), and the cancel grace. A call's future is settled by the
@@ -17,28 +24,25 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import itertools
 import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from sandboxd import strictjson
 from sandboxd.config import Config
 from sandboxd.egress.secrets import StandIns, value_problem
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
-from sandboxd.server.rpc import is_request_id, notification
+from sandboxd.server.rpc import Later, is_request_id, notification
 from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
 from sandboxd.tools.schema import sensitive_names, validate_arguments
 from sandboxd.users import check_user
 
 log = get_logger("sandboxd.calls")
-
-# Set by the daemon itself (docs/tools.md); a call may not override them.
-
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
@@ -123,8 +127,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     if meta is not None and not isinstance(meta, dict):
         raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
     token = meta.get("progressToken") if meta is not None else None
-    if token is not None and (isinstance(token, bool) or not isinstance(token, (str, int, float))
-                              or isinstance(token, int) and abs(token) > strictjson.MAX_DOUBLE_INT):
+    if token is not None and not is_request_id(token):  # a token is what an id may be (docs/protocol.md)
         raise InvalidParams("'_meta.progressToken' must be a string or a number (that fits a double).")
     tool = catalog.lookup(name, user, since=since)
     if tool is None:
@@ -177,20 +180,21 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class CallContext:
-    """A call in flight: what a cancel notification, a disconnect or shutdown acts on.
+    """A call in flight: what a cancel notification, a disconnect, the client's back-pressure
+    or shutdown acts on (the dispatcher's ``InFlight`` for a tools/call).
 
     Only the runner moves it through its phases (checking → queued → running → done);
-    everyone else may ``cancel`` or ``kill`` it.
+    everyone else may ``cancel`` or ``kill`` it, or ``pause`` and ``resume`` its output.
     """
 
-    request_id: Any
     grace: float = 2.0  # s a cancelled tool has to stop (calls.cancel_grace_ms), set by the runner
     phase: Phase = field(default=Phase.CHECKING, init=False)
     task: asyncio.Task[Any] | None = field(default=None, init=False)  # the one running the call
     sandbox: Sandbox | None = field(default=None, init=False)
     cancel_reason: str | None = field(default=None, init=False)
     queue_wait_s: float | None = field(default=None, init=False)  # set once a sandbox is acquired
-    client_gone: bool = field(default=False, init=False)  # its connection closed: nobody reads its answer
+    client_paused: bool = field(default=False, init=False)  # its client reads no more
+    _sandbox_paused: bool = field(default=False, init=False, repr=False)  # so we stopped reading its sandbox
     _future: asyncio.Future[dict[str, Any]] | None = field(default=None, init=False, repr=False)
     _timers: list[asyncio.TimerHandle] = field(default_factory=list, init=False, repr=False)
 
@@ -217,6 +221,27 @@ class CallContext:
         self._future.set_exception(_Killed(message))
         return True
 
+    def pause(self) -> None:
+        """The client reads no more: stop reading the sandbox now if the tool runs, else at its first
+        progress, so that its output waits in the sandbox."""
+        self.client_paused = True
+        self.progressed()
+
+    def resume(self) -> None:
+        self.client_paused = False
+        self._resume_sandbox()
+
+    def progressed(self) -> None:
+        """A progress notification is on its way to the client: a paused client pauses the sandbox too."""
+        if self.client_paused and not self._sandbox_paused and self.phase is Phase.RUNNING and self.sandbox is not None:
+            self.sandbox.pause_reading()
+            self._sandbox_paused = True
+
+    def _resume_sandbox(self) -> None:
+        if self._sandbox_paused and self.sandbox is not None:
+            self._sandbox_paused = False
+            self.sandbox.resume_reading()
+
     # -- moved on by the runner only ------------------------------------------
 
     def enter_queue(self) -> None:
@@ -230,6 +255,7 @@ class CallContext:
         self.phase = Phase.DONE
         for timer in self._timers:
             timer.cancel()
+        self._resume_sandbox()  # before it goes back to the pool: the next caller must find it reading
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
@@ -267,11 +293,30 @@ class CallRunner:
         self.on_call: Callable[[str, str, float, float | None], None] | None = None
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
+        that could not be had (a JSON-RPC error, raised); each is logged and counted once."""
         started = time.monotonic()
         ctx.task = asyncio.current_task()
+        ctx.grace = self.config.calls.cancel_grace_ms / 1000
         try:
-            with secret_values(call.secrets()):
-                outcome = await self._run(call, ctx, on_progress, started)
+            # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
+            with secret_values(call.secrets()) as masked:
+                if ctx.cancel_reason is not None:  # cancelled before it got here
+                    outcome = _not_started(ctx, started)
+                else:
+                    request = self._request(call, masked)
+                    ctx.enter_queue()
+                    queued_at = time.monotonic()
+                    pooled = await self.pool.acquire(call.user)
+                    ctx.queue_wait_s = time.monotonic() - queued_at
+                    reusable = False
+                    try:
+                        outcome, reusable = await self._in_sandbox(pooled.sandbox, request, call, ctx, on_progress, started)
+                    finally:
+                        ctx.finish()
+                        # Released just after the answer is written (the dispatcher sends it when this returns):
+                        # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
+                        asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
@@ -280,9 +325,61 @@ class CallRunner:
             error = exc.message if isinstance(exc, SandboxdError) else None
             self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
             raise
-        # Logged and counted just after the answer is written, like the pool release in _run.
+        # Logged and counted just after the answer is written, like the release.
         asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
+
+    def _request(self, call: CallParams, secrets: frozenset[str]) -> CallRequest:
+        """What the shim is sent, and what the sandbox holds to for this call."""
+        # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
+        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
+        calls = self.config.calls
+        return CallRequest(
+            tool_call_id=call.tool_call_id,
+            entry=self.backend.entry_path(call.tool),
+            arguments=call.arguments,
+            env=env,
+            max_result_bytes=calls.max_result_bytes,
+            output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
+            tool=call.tool.name,
+            secrets=secrets,
+            stand_ins=stand_ins,
+        )
+
+    async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, call: CallParams, ctx: CallContext,
+                          on_progress: Callable[[list[Any]], None], started: float) -> tuple[dict[str, Any], bool]:
+        """The call in its sandbox, from request to outcome; and whether the sandbox may serve another."""
+        assert sandbox is not None  # the pool hands out started sandboxes only
+        calls = self.config.calls
+        progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
+        future = progress.future = sandbox.call(request, progress)
+        ctx.start_running(sandbox, future, call.timeout_s)
+        try:
+            answer = await future
+        except _Timeout:
+            return result("timeout", text(
+                f"The tool did not finish within {call.timeout_s:g} s and was stopped; "
+                "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started), False
+        except _GraceExpired:
+            return result("cancelled", text(
+                f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
+                f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started), False
+        except _Killed as exc:
+            return result("cancelled", text(exc.message), started), False
+        except (SandboxFailed, _ProgressCapExceeded) as exc:
+            return result("crashed", text(exc.message), started), False
+        # The shim says when a tool left processes running or /tmp full (docs/shim.md).
+        retire = answer.get("retire")
+        if retire:
+            log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=sandbox.id,
+                     reason=str(retire)[:500], budget=source("user", call.user))
+        content = answer.get("content")
+        if not isinstance(content, list):
+            content = text("The tool's sandbox returned a malformed result.")
+        if ctx.cancel_reason is not None:
+            return result("cancelled", content, started, is_error=True, details=answer.get("details")), not retire
+        status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
+        return result(status, content, started, details=answer.get("details")), not retire
 
     def count_refused(self, params: Any, exc: SandboxdError) -> None:
         """A call refused before its params were read (the daemon stopping): counted and logged like the rest.
@@ -313,190 +410,63 @@ class CallRunner:
         if self.on_call is not None:
             self.on_call(call.tool.name, status, duration_s, ctx.queue_wait_s)
 
-    async def _run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None], started: float) -> dict[str, Any]:
-        ctx.grace = self.config.calls.cancel_grace_ms / 1000
-        if ctx.cancel_reason is not None:  # cancelled before it got here
-            return _not_started(ctx, started)
-        # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
-        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
-        ctx.enter_queue()
-        queued_at = time.monotonic()
-        pooled = await self.pool.acquire(call.user)
-        ctx.queue_wait_s = time.monotonic() - queued_at
-        reusable = False
-        calls = self.config.calls
-        try:
-            request = CallRequest(
-                tool_call_id=call.tool_call_id,
-                entry=self.backend.entry_path(call.tool),
-                arguments=call.arguments,
-                env=env,
-                max_result_bytes=calls.max_result_bytes,
-                output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
-                tool=call.tool.name,
-                stand_ins=stand_ins,
-            )
-            assert pooled.sandbox is not None
-            progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
-            future = progress.future = pooled.sandbox.call(request, progress)
-            ctx.start_running(pooled.sandbox, future, call.timeout_s)
-            try:
-                answer = await future
-            except _Timeout:
-                return result("timeout", text(
-                    f"The tool did not finish within {call.timeout_s:g} s and was stopped; "
-                    "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started)
-            except _GraceExpired:
-                return result("cancelled", text(
-                    f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
-                    f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
-            except _Killed as exc:
-                return result("cancelled", text(exc.message), started)
-            except (SandboxFailed, _ProgressCapExceeded) as exc:
-                return result("crashed", text(exc.message), started)
-            # The shim says when a tool left processes running or /tmp full (docs/shim.md).
-            retire = answer.get("retire")
-            reusable = not retire
-            if retire:
-                log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=pooled.sandbox.id,
-                         reason=str(retire)[:500], budget=source("user", call.user))
-            content = answer.get("content")
-            if not isinstance(content, list):
-                content = text("The tool's sandbox returned a malformed result.")
-            if ctx.cancel_reason is not None:
-                return result("cancelled", content, started, is_error=True, details=answer.get("details"))
-            status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
-            return result(status, content, started, details=answer.get("details"))
-        finally:
-            ctx.finish()
-            # Released just after the answer is written (connection.py sends it when run returns):
-            # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
-            asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
-
 
 class Calls:
-    """Every tools/call in flight on the daemon, and the lifecycle each goes through."""
+    """Every tools/call on the daemon goes through here: admit → check → run → answer."""
 
     def __init__(self, runner: CallRunner, catalog: ToolCatalog, *, stopping: Callable[[], bool]) -> None:
         self.runner = runner
         self.catalog = catalog
         self._stopping = stopping
-        self.in_flight: set[CallContext] = set()
+        self.in_flight: set[CallContext] = set()  # from their first step to their answer: what shutdown waits for
 
-    def admit(self, params: Any) -> None:
-        """Refuse a new call once shutdown has begun (counted and logged like any call)."""
+    def start(self, request_id: Any, params: Any, send: Callable[[dict[str, Any]], None]) -> Later:
+        """The tools/call method (``send``: to its client): admit and check what can be checked now;
+        the rest is the dispatcher's to await, and the context its cancels reach."""
+        arrived = time.monotonic()
         if self._stopping():
-            refusal = shutting_down()
+            refusal = ShuttingDown()
             self.runner.count_refused(params, refusal)
             raise refusal
+        try:
+            call: CallParams | None = self._check(params, arrived)
+        except ScanNeeded:
+            # The tools changed since the last scan (the warm path is a few stat calls, here): the
+            # call is checked after one, in flight from now, so that a cancel or a disconnect finds it.
+            call = None
+        assert isinstance(params, dict)  # the check refused anything else
+        meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        ctx = CallContext()
+        on_progress = _progress_notifier(ctx, meta.get("progressToken", request_id), send)
+        return Later(self.answer(ctx, params, arrived, call, on_progress), ctx)
 
-    async def run(self, ctx: CallContext, params: Any, arrived: float, on_progress: Callable[[list[Any]], None],
-                  call: CallParams | None) -> dict[str, Any] | None:
-        """Check (``call`` is None: after a tools scan), run and answer one call; None: its client is gone."""
-        while call is None:
-            await self.catalog.refresh(params.get("user"), since=arrived)
-            if ctx.client_gone:
-                return None
-            try:
-                call = self.check(params, arrived)  # the lookup now trusts the scan just made
-            except ScanNeeded:
-                continue
-        return await self.runner.run(call, ctx, on_progress)
+    async def answer(self, ctx: CallContext, params: dict[str, Any], arrived: float, call: CallParams | None,
+                     on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        """Check (``call`` is None: after a tools scan), run, and give the answer to send."""
+        # From its first step, at the loop's next turn (a shutdown, which waits on the loop, finds
+        # it), not from start: the dispatcher drops a call it refuses unstarted.
+        self.in_flight.add(ctx)
+        try:
+            while call is None:
+                await self.catalog.refresh(params.get("user"), since=arrived)
+                try:
+                    call = self._check(params, arrived)  # the lookup now trusts the scan just made
+                except ScanNeeded:
+                    continue
+            return await self.runner.run(call, ctx, on_progress)
+        finally:
+            self.in_flight.discard(ctx)
 
-    def check(self, params: Any, arrived: float) -> CallParams:
+    def _check(self, params: Any, arrived: float) -> CallParams:
         return parse_call_params(params, self.catalog, self.runner.config, since=arrived)
 
 
-def shutting_down() -> ShuttingDown:
-    return ShuttingDown("sandboxd is shutting down and takes no new calls; retry once it is back.")
+def _progress_notifier(ctx: CallContext, token: Any, send: Callable[[dict[str, Any]], None]) -> Callable[[list[Any]], None]:
+    """A call's progress as notifications to its client, numbered from 1 (docs/protocol.md)."""
+    numbers = itertools.count(1)
 
+    def notify(content: list[Any]) -> None:
+        ctx.progressed()
+        send(notification("notifications/progress", {"progressToken": token, "progress": next(numbers), "content": content}))
 
-class ConnectionCalls:
-    """One connection's calls in flight, by request id: what its cancels, its disconnect and its back-pressure act on."""
-
-    def __init__(self, calls: Calls, send: Callable[[dict[str, Any]], None]) -> None:
-        self._calls = calls
-        self._send = send
-        self._by_id: dict[Any, CallContext] = {}
-        self._writing_paused = False  # the client reads no more
-        self._paused_sandboxes: set[Any] = set()  # sandboxes of our calls we stopped reading
-
-    def get(self, request_id: Any) -> CallContext | None:
-        return self._by_id.get(request_id)
-
-    def start(self, request_id: Any, params: Any) -> Awaitable[dict[str, Any] | None]:
-        """The tools/call method: checks what it can now, returns the rest of the call to await."""
-        arrived = time.monotonic()
-        if request_id in self._by_id:
-            raise InvalidParams(f"id {request_id!r} is already used by a call in flight on this connection; use a fresh id.")
-        self._calls.admit(params)
-        try:
-            call: CallParams | None = self._calls.check(params, arrived)
-        except ScanNeeded:
-            # The tools changed since the last scan (the warm path is a few stat calls, here);
-            # the call is in flight from now, so that a cancel, a disconnect or a reused id finds it.
-            call = None
-        assert isinstance(params, dict)  # check() refused anything else
-        meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
-        ctx = CallContext(request_id)
-        self._by_id[request_id] = ctx
-        self._calls.in_flight.add(ctx)
-        return self._run(ctx, params, arrived, meta.get("progressToken", request_id), call)
-
-    async def _run(self, ctx: CallContext, params: dict[str, Any], arrived: float, token: Any,
-                   call: CallParams | None) -> dict[str, Any] | None:
-        counter = 0
-
-        def on_progress(content: list[Any]) -> None:
-            nonlocal counter
-            counter += 1
-            if self._writing_paused:
-                self._pause_sandbox(ctx)
-            self._send(notification("notifications/progress", {"progressToken": token, "progress": counter, "content": content}))
-
-        try:
-            return await self._calls.run(ctx, params, arrived, on_progress, call)
-        finally:
-            # Before its sandbox goes back to the pool (just after the answer): another caller must find it reading.
-            if ctx.sandbox is not None and ctx.sandbox in self._paused_sandboxes:
-                self._paused_sandboxes.discard(ctx.sandbox)
-                ctx.sandbox.resume_reading()
-            if self._by_id.get(ctx.request_id) is ctx:
-                del self._by_id[ctx.request_id]
-            self._calls.in_flight.discard(ctx)
-
-    def cancel(self, params: Any) -> None:
-        """notifications/cancelled: cancel the call of ``params.requestId`` if it is ours and in flight."""
-        if not isinstance(params, dict):
-            return
-        request_id = params.get("requestId")
-        # Only ids a request can have; a list or an object would not even hash.
-        ctx = self._by_id.get(request_id) if is_request_id(request_id) else None
-        if ctx is not None:
-            reason = params.get("reason")
-            ctx.cancel(reason if isinstance(reason, str) and reason else "cancelled by the client")
-
-    def client_gone(self) -> None:
-        """A client that goes away cancels every call it has in flight."""
-        for ctx in list(self._by_id.values()):
-            ctx.client_gone = True
-            ctx.cancel("client disconnected")
-
-    def pause(self) -> None:
-        """The client reads no more: stop reading the sandboxes of its running calls (one that starts
-        meanwhile is paused at its first progress), so that their output waits in the sandbox."""
-        self._writing_paused = True
-        for ctx in self._by_id.values():
-            self._pause_sandbox(ctx)
-
-    def resume(self) -> None:
-        self._writing_paused = False
-        for sandbox in self._paused_sandboxes:
-            sandbox.resume_reading()
-        self._paused_sandboxes.clear()
-
-    def _pause_sandbox(self, ctx: CallContext) -> None:
-        sandbox = ctx.sandbox
-        if ctx.phase is Phase.RUNNING and sandbox is not None and sandbox not in self._paused_sandboxes:
-            sandbox.pause_reading()
-            self._paused_sandboxes.add(sandbox)
+    return notify

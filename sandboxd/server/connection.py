@@ -1,8 +1,9 @@
 """One client connection: bytes in and out, and what the daemon lends it (``Edge``).
 
 Lines are framed by ``LineBuffer`` (an over-long line is answered with -32600 and
-skipped), each goes to the JSON-RPC ``Dispatcher``, the connection's calls in flight
-are its ``ConnectionCalls``. A problem with one message never closes the connection.
+skipped), each goes to the JSON-RPC ``Dispatcher``, which owns the connection's requests
+in flight: the disconnect and the client's back-pressure reach them through it. A
+problem with one message never closes the connection.
 
 The loop is every client's and every sandbox's: a connection handles at most
 ``LINES_PER_TURN`` lines before the loop's other work gets its turn (a client pipelining
@@ -19,7 +20,6 @@ from typing import Any, Mapping, Protocol, cast
 
 from sandboxd.errors import PeerRefused
 from sandboxd.lines import LineBuffer
-from sandboxd.server.calls import Calls, ConnectionCalls
 from sandboxd.server.rpc import INVALID_REQUEST, Dispatcher, Method, encode, error_body
 
 # Stop reading from a client whose responses pile up unread.
@@ -67,7 +67,6 @@ class RefusedPeers:
 class Edge(Protocol):
     """What a connection may use of the daemon."""
 
-    calls: Calls
     refused_peers: RefusedPeers
 
     @property
@@ -81,7 +80,7 @@ class Edge(Protocol):
     def closed(self, connection: Connection) -> None: ...
 
     def methods(self, connection: Connection) -> Mapping[str, Method]:
-        """The JSON-RPC methods of ``connection`` (its calls are ``connection.calls``)."""
+        """The JSON-RPC methods of ``connection`` (they answer through ``connection.send``)."""
 
 
 class Connection(asyncio.Protocol):
@@ -89,8 +88,7 @@ class Connection(asyncio.Protocol):
         self._edge = edge
         self.transport: asyncio.Transport | None = None
         self._lines = LineBuffer(edge.max_message_bytes)
-        self.calls = ConnectionCalls(edge.calls, self.send)
-        self._rpc = Dispatcher(self.send, edge.methods(self), {"notifications/cancelled": self.calls.cancel})
+        self._rpc = Dispatcher(self.send, edge.methods(self))
         self.closed = False
         self._refused = False  # by the edge: what it sends is dropped (RefusedPeers)
         self._paused: set[str] = set()  # why reading is paused: "writing" (the client reads no more), "turn"
@@ -116,17 +114,17 @@ class Connection(asyncio.Protocol):
         if self._next_turn is not None:
             self._next_turn.cancel()
         self._edge.closed(self)
-        self.calls.client_gone()
+        self._rpc.disconnected()
 
     def pause_writing(self) -> None:
         # The client reads no more: stop reading its requests and its calls' sandboxes,
         # so that their output waits in the sandbox, not in our write buffer.
         self._pause("writing")
-        self.calls.pause()
+        self._rpc.pause()
 
     def resume_writing(self) -> None:
         self._resume("writing")
-        self.calls.resume()
+        self._rpc.resume()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

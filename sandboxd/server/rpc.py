@@ -1,30 +1,61 @@
 """JSON-RPC 2.0 for one connection: a message in, a method from the table, its answer out (the MCP SDK's shape).
 
 Methods never see the envelope: a method gets (request id, params) and returns its
-result, or an awaitable of it (answered from a task when it completes; None means
-no answer), or raises. The dispatcher checks every message (docs/protocol.md), puts the
+result, or ``Later`` (work answered from a task when it completes; None means no
+answer), or raises. The dispatcher checks every message (docs/protocol.md), puts the
 id on the answer, and maps errors to the wire in one place (``error_body``): a
 SandboxdError carries its code, anything else is -32603 with the details in the log.
+
+Like the MCP SDK's session, the dispatcher owns the requests in flight: their ids, from
+the request to its answer (another request answered later may not take one meanwhile; one
+answered at once, a ping, may), and what reaches them meanwhile: a
+``notifications/cancelled`` the one it names, the client's disconnect and its
+back-pressure every one (``InFlight``: a tools/call's ``CallContext``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Mapping, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine, Mapping, Protocol, Union
 
 from sandboxd import strictjson
-from sandboxd.errors import MethodNotFound, SandboxdError
+from sandboxd.errors import InvalidParams, MethodNotFound, SandboxdError
 from sandboxd.logging import get_logger, source
 
 log = get_logger("sandboxd.server")
 
 PARSE_ERROR, INVALID_REQUEST, INTERNAL_ERROR = -32700, -32600, -32603
+CANCELLED = "notifications/cancelled"
+
+
+class InFlight(Protocol):
+    """What a request answered later lets the dispatcher do to it meanwhile."""
+
+    def cancel(self, reason: str) -> None:
+        """Stop it: answered as cancelled (a cancel notification, or the client went away)."""
+
+    def pause(self) -> None:
+        """The client reads no more: stop producing output for it."""
+
+    def resume(self) -> None: ...
+
 
 Result = dict[str, Any]
-Answer = Union[Result, Awaitable[Union[Result, None]]]
-Method = Callable[[Any, Any], Answer]  # (request id, params)
-Notification = Callable[[Any], None]  # (params)
+
+
+@dataclass(frozen=True)
+class Later:
+    """A method's answer to come: ``work`` settles it (None: nothing is sent), ``request`` is what
+    a cancel, the disconnect or back-pressure acts on meanwhile (None: nothing can be). Nothing of
+    the request is in flight before ``work`` starts: a refused one is dropped unstarted."""
+
+    work: Coroutine[Any, Any, Union[Result, None]]
+    request: InFlight | None = None
+
+
+Method = Callable[[Any, Any], Union[Result, Later]]  # (request id, params)
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -58,12 +89,11 @@ def is_request_id(value: Any) -> bool:
 
 
 class Dispatcher:
-    def __init__(self, send: Callable[[dict[str, Any]], None], methods: Mapping[str, Method],
-                 notifications: Mapping[str, Notification]) -> None:
+    def __init__(self, send: Callable[[dict[str, Any]], None], methods: Mapping[str, Method]) -> None:
         self._send = send
         self._methods = methods
-        self._notifications = notifications
-        self._answering: set[asyncio.Task[None]] = set()  # answers that wait on something
+        self._in_flight: dict[Any, InFlight | None] = {}  # by request id, until answered
+        self._answering: set[asyncio.Task[None]] = set()  # the tasks that answer them
 
     def reply(self, request_id: Any, result: Result) -> None:
         self._send({"jsonrpc": "2.0", "id": request_id, "result": result})
@@ -80,30 +110,64 @@ class Dispatcher:
             return self._send({"jsonrpc": "2.0", "id": refused.request_id,
                                "error": {"code": refused.code, "message": refused.message}})
         if not is_request:
-            notification = self._notifications.get(method)
-            if notification is not None:
-                notification(params)
-            return  # unknown notifications are ignored, as JSON-RPC asks
+            if method == CANCELLED:
+                self._cancel(params)
+            return  # other notifications are ignored, as JSON-RPC asks
         try:
             handler = self._methods.get(method)
             if handler is None:
                 raise MethodNotFound(f"unknown method {method!r}; the methods are {_names(self._methods)}.")
             answer = handler(request_id, params)
+            if isinstance(answer, dict):
+                return self.reply(request_id, answer)
+            if request_id in self._in_flight:
+                answer.work.close()  # never started: nothing of it to undo
+                raise InvalidParams(f"id {request_id!r} is already used by a request in flight on this connection; "
+                                    "use a fresh id.")
         except Exception as exc:
             return self.reply_error(request_id, exc, method)
-        if isinstance(answer, dict):
-            return self.reply(request_id, answer)
-        task = asyncio.get_running_loop().create_task(self._answer(request_id, method, answer))
+        self._in_flight[request_id] = answer.request
+        task = asyncio.get_running_loop().create_task(self._answer(request_id, method, answer.work))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
-    async def _answer(self, request_id: Any, method: str, work: Awaitable[Result | None]) -> None:
+    async def _answer(self, request_id: Any, method: str, work: Coroutine[Any, Any, Result | None]) -> None:
         try:
             result = await work
         except Exception as exc:
+            del self._in_flight[request_id]  # free before the answer: a client may reuse it once answered
             return self.reply_error(request_id, exc, method)
+        del self._in_flight[request_id]
         if result is not None:
             self.reply(request_id, result)
+
+    def _cancel(self, params: Any) -> None:
+        """notifications/cancelled: cancel the request of ``params.requestId`` if it is in flight here."""
+        if not isinstance(params, dict):
+            return
+        request_id = params.get("requestId")
+        # Only ids a request can have; a list or an object would not even hash.
+        request = self._in_flight.get(request_id) if is_request_id(request_id) else None
+        if request is not None:
+            reason = params.get("reason")
+            request.cancel(reason if isinstance(reason, str) and reason else "cancelled by the client")
+
+    def disconnected(self) -> None:
+        """The client went away: every request it has in flight is cancelled (nobody reads the answers)."""
+        for request in list(self._in_flight.values()):
+            if request is not None:
+                request.cancel("client disconnected")
+
+    def pause(self) -> None:
+        """The client reads no more: every request in flight stops producing output for it."""
+        for request in self._in_flight.values():
+            if request is not None:
+                request.pause()
+
+    def resume(self) -> None:
+        for request in self._in_flight.values():
+            if request is not None:
+                request.resume()
 
 
 def _parse(line: bytes) -> tuple[Any, str, Any, bool]:

@@ -13,7 +13,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from sandboxd import __version__
 from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
@@ -24,10 +24,10 @@ from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
-from sandboxd.server.calls import CallContext, CallRunner, Calls
+from sandboxd.server.calls import CallRunner, Calls
 from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.reload import config_change
-from sandboxd.server.rpc import Method
+from sandboxd.server.rpc import Later, Method
 from sandboxd.server.watch import ToolWatch
 from sandboxd.service import systemd
 from sandboxd.service.metrics import Metrics
@@ -68,7 +68,6 @@ class Server:
         self.refused_peers = RefusedPeers()  # the door for peers allowed_uids/allowed_gids refuse
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
-        self.calls_in_flight: set[CallContext] = self.calls.in_flight
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
         self.started_at = time.monotonic()
         self._listener: asyncio.AbstractServer | None = None
@@ -236,7 +235,7 @@ class Server:
             "uptimeS": round(time.monotonic() - self.started_at, 1),
             "stopping": self.stopping,
             "connections": len(self.connections),
-            "callsInFlight": len(self.calls_in_flight),
+            "callsInFlight": len(self.calls.in_flight),
             "calls": dict(self.runner.counts),
             "pool": self.pool.status(),
             "limits": {
@@ -264,7 +263,7 @@ class Server:
         """One line for systemd's STATUS= (shown by `systemctl status sandboxd`)."""
         totals = self.pool.status()["totals"]
         state = "stopping" if self.stopping else f"serving on {self.config.socket}"
-        calls = len(self.calls_in_flight)
+        calls = len(self.calls.in_flight)
         return (f"{state}: {calls} call{'s' * (calls != 1)} in flight, {totals['waiting']} queued; sandboxes "
                 f"{totals['idle']} idle, {totals['busy']} busy, {totals['starting']} starting, {totals['stopping']} stopping")
 
@@ -285,11 +284,12 @@ class Server:
         self.watch.forget(connection)
 
     def methods(self, connection: Connection) -> Mapping[str, Method]:
-        return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools, "tools/call": connection.calls.start,
-                "tools/watch": lambda _id, params: self.watch.watch(connection, connection.send, params),
+        return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools,
+                "tools/call": lambda request_id, params: self.calls.start(request_id, params, connection.send),
+                "tools/watch": lambda _id, params: Later(self.watch.watch(connection, connection.send, params)),
                 "sandbox/status": lambda _id, _params: self.status()}
 
-    def _list_tools(self, _id: Any, params: Any) -> Awaitable[dict[str, Any]]:
+    def _list_tools(self, _id: Any, params: Any) -> Later:
         if params is not None and not isinstance(params, dict):
             raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
         user = params.get("user") if params is not None else None
@@ -302,7 +302,7 @@ class Server:
             tools = await self.catalog.tools_async(user)  # any scan runs in a worker thread
             return {"tools": [tool.to_protocol() for tool in tools]}
 
-        return listed()
+        return Later(listed())
 
     # -- reload ------------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class Server:
     async def shutdown(self) -> None:
         self.stopping = True
         grace = self.config.pool.shutdown_grace_s
-        log.info("shutting_down", calls_in_flight=len(self.calls_in_flight), grace_s=grace)
+        log.info("shutting_down", calls_in_flight=len(self.calls.in_flight), grace_s=grace)
         # 1. Stop accepting connections, and remove the socket file so clients fail fast.
         if self._listener is not None:
             self._listener.close()
@@ -364,12 +364,12 @@ class Server:
             self._watching.cancel()
         # 2. Let calls in flight finish, up to the grace period.
         deadline = time.monotonic() + grace
-        while self.calls_in_flight and time.monotonic() < deadline:
+        while self.calls.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         # 3. Cancel what is left: each answers `cancelled` and its sandbox is killed.
-        for ctx in list(self.calls_in_flight):
+        for ctx in list(self.calls.in_flight):
             ctx.cancel("sandboxd is shutting down", grace=0.0)
-        tasks = [ctx.task for ctx in self.calls_in_flight if ctx.task is not None]
+        tasks = [ctx.task for ctx in self.calls.in_flight if ctx.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5)
         # 4. Destroy every sandbox (busy ones were released by their calls above).
@@ -425,7 +425,7 @@ async def serve(config: Config, backend: Backend | None = None, *, listen_socket
         if ready is not None:
             ready(server)
         await stop.wait()
-        notifier.stopping(f"stopping: letting {len(server.calls_in_flight)} calls finish")
+        notifier.stopping(f"stopping: letting {len(server.calls.in_flight)} calls finish")
         await server.shutdown()
     finally:
         if supervisor is not None:

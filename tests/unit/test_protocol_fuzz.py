@@ -104,7 +104,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]
     server = ThreadedServer(tmp_path_factory.mktemp("fuzz"))
     yield server
     assert server.server is not None
-    assert not server.server.calls_in_flight, "calls left in flight"
+    assert not server.server.calls.in_flight, "calls left in flight"
     assert server.backend.calls_to_dead == 0
     server.stop()
 

@@ -273,6 +273,15 @@ def test_reused_id_in_flight_is_refused(tmp_path: Path) -> None:
         first, second = await conn.read(), await conn.read()
         assert first["error"]["code"] == -32602 and "already used" in first["error"]["message"]
         assert second["result"]["status"] == "ok"
+        # The dispatcher owns ids in flight: a listing (answered later too) may not take one, a ping
+        # (answered at once) may; an answered id is free again.
+        conn.send({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params})
+        conn.send({"jsonrpc": "2.0", "id": 9, "method": "tools/list", "params": {"user": USER}})
+        conn.send({"jsonrpc": "2.0", "id": 9, "method": "ping"})
+        refused, pong, answered = await conn.read(), await conn.read(), await conn.read()
+        assert refused["id"] == 9 and "already used by a request in flight" in refused["error"]["message"]
+        assert pong == {"jsonrpc": "2.0", "id": 9, "result": {}} and answered["result"]["status"] == "ok"
+        assert "tools" in (await conn.request("tools/list", {"user": USER}, request_id=9))["result"]
 
 
 def test_backend_down_is_32002_and_recovers(tmp_path: Path) -> None:
@@ -356,12 +365,13 @@ def test_a_client_that_stops_reading_pauses_its_calls_sandboxes(tmp_path: Path) 
         (connection,) = h.server.connections
         conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                    "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
-        while connection.calls.get(1) is None:
+        while not h.server.calls.in_flight:
             await asyncio.sleep(0.001)
+        (call,) = h.server.calls.in_flight
         connection.pause_writing()  # as asyncio does past the write buffer's high-water mark
         gates[0].set()  # the call gets its sandbox while paused: paused at its first progress
         assert (await conn.read())["method"] == "notifications/progress"
-        sandbox = connection.calls.get(1).sandbox
+        sandbox = call.sandbox
         assert sandbox.reading_paused
         connection.resume_writing()
         assert not sandbox.reading_paused

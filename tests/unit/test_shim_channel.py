@@ -178,9 +178,10 @@ class RecordingSandbox(ShimSandbox):
     async def exit_reason(self) -> SandboxFailed:
         return SandboxFailed("exited")
 
-    def start_call(self, limits: OutputLimits) -> asyncio.Future[dict[str, Any]]:
+    def start_call(self, limits: OutputLimits, secrets: frozenset[str] = frozenset()) -> asyncio.Future[dict[str, Any]]:
         self.channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {}}))
-        return self.call(CallRequest("c1", "/officer/tools/x/index.ts", {}, output_limits=limits), lambda _c: None)
+        return self.call(CallRequest("c1", "/officer/tools/x/index.ts", {}, output_limits=limits, secrets=secrets),
+                         lambda _c: None)
 
     def answer(self) -> None:
         call_id = json.loads(self.sent[-1])["id"]
@@ -259,13 +260,14 @@ def test_tool_output_is_logged_masked_with_every_call_secret(tmp_path: Any) -> N
         stream = io.StringIO()
         configure_logging("debug", "json", stream)
         sandbox = RecordingSandbox()
-        with secret_values(["tok-first-call"]):
-            future = sandbox.start_call(BIG)
+        # A call's secrets come with its request (the runner's secret_values yields them).
+        with secret_values(["tok-first-call"]) as secrets:
+            future = sandbox.start_call(BIG, secrets)
         sandbox.stderr_data(b"[c1] my token is tok-first-call\n")  # arrives outside the call's context
         sandbox.answer()
         await future
-        with secret_values(["tok-second-call"]):
-            sandbox.call(CallRequest("c2", "/officer/tools/x/index.ts", {}, output_limits=BIG), lambda _c: None)
+        sandbox.call(CallRequest("c2", "/officer/tools/x/index.ts", {}, output_limits=BIG,
+                                 secrets=frozenset({"tok-second-call"})), lambda _c: None)
         sandbox.stderr_data(b"[c1 (finished)] a timer: tok-first-call, tok-second-call\n")
         return stream.getvalue()
 
