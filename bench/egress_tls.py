@@ -2,8 +2,9 @@
 TLS connection and puts the secret's value in) beside a CONNECT tunnel (the sandbox does TLS
 itself), to the same TLS server on 127.0.0.1 (docs/performance.md, "Secrets over HTTPS").
 
-One daemon of its own, whose egress.secrets names the server for OFFICER_APIFY_TOKEN and
-whose egress.ca_file is the CA that signed the server's certificate. The tool
+One daemon of its own, whose egress.secrets names the server for OFFICER_APIFY_TOKEN, whose
+egress.ca_file is the CA that signed the server's certificate, and whose egress.connect_rate is
+out of the way. The tool
 (bench/tools/bench_https) makes sequential GETs with https.request, each on a new
 connection: with the call's env holding the secret, the shim sends them in absolute form;
 without it, they tunnel. Per request: the tool's wall time, and the daemon's CPU.
@@ -63,8 +64,9 @@ def secrets_over_https(root: Path, run_id: str, image: str, requests: int) -> di
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
     url = f"https://127.0.0.1:{port}/"
+    # connect_rate raised: at its default (50 a second) sequential requests would measure the limit, not the path.
     config = (f"egress:\n  allow: ['127.0.0.1:{port}']\n  secrets:\n    {TOKEN_NAME}: ['127.0.0.1:{port}']\n"
-              f"  ca_file: {ca.ca_file}\nsandbox:\n  image: {image}\n")
+              f"  ca_file: {ca.ca_file}\n  connect_rate: 100000\nsandbox:\n  image: {image}\n")
     daemon = d.BenchDaemon(root / "daemon", config, fresh_tools=0)
     user = f"https-{run_id}@bench.example"
     samples: dict[str, list[float]] = {"tunnel": [], "absolute": []}
