@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import EgressSession
-from sandboxd.sandbox.docker_spec import EGRESS_SOCKET_NAME, SHIM_SOCKET_NAME
+from sandboxd.sandbox.docker_spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBACK_HOSTS, SHIM_SOCKET_NAME
 from sandboxd.service.peercred import peer_credentials
 
 
@@ -33,6 +33,8 @@ class SandboxSockets:
         self._egress_session: EgressSession | None = None
         self._egress_accept: asyncio.Task[None] | None = None
         try:
+            (self.dir / HOSTS_NAME).write_text(LOOPBACK_HOSTS)  # mounted at /etc/hosts (docker_spec.py)
+            os.chmod(self.dir / HOSTS_NAME, 0o644)
             self.sock = self._bind(SHIM_SOCKET_NAME, backlog=1)
             if egress:
                 self.egress = self._bind(EGRESS_SOCKET_NAME, backlog=64)

@@ -34,6 +34,10 @@ LABEL_DATA_PATH = "org.sandboxd.data-path"  # for people: what the instance labe
 CONTAINER_SHIM_DIR = "/officer/run"
 SHIM_SOCKET_NAME = "shim.sock"
 EGRESS_SOCKET_NAME = "egress.sock"
+# With no network (network_disabled) Docker leaves /etc/hosts empty, and `localhost` would not
+# resolve in a sandbox: tools reach the browser relay at localhost:PORT as at 127.0.0.1:PORT.
+HOSTS_NAME = "hosts"
+LOOPBACK_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
 def sandbox_user(setting: str) -> str:
@@ -78,6 +82,8 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         environment[CACHE_ENV] = CONTAINER_CACHE
     if shim_dir is not None:
         mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
+        if config.network == "none":  # the socket directory holds it (docker_sockets.py)
+            mounts.append(Mount("/etc/hosts", str(shim_dir / HOSTS_NAME), type="bind", read_only=True))
         environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
         if spec.egress is not None:  # the shim routes fetch, http(s) and child processes through it
             environment["SANDBOXD_EGRESS_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{EGRESS_SOCKET_NAME}"

@@ -78,9 +78,10 @@ def test_init_ipc_log_and_scratch_space(inspected: dict[str, Any]) -> None:
 
 def test_mounts_are_the_documented_ones_and_never_the_docker_socket(inspected: dict[str, Any]) -> None:
     mounts = {m["Destination"]: m for m in inspected["Mounts"]}
-    assert set(mounts) == {"/officer/tools", "/officer/user", "/officer/user/tools", "/officer/run", "/officer/data"}
+    assert set(mounts) == {"/officer/tools", "/officer/user", "/officer/user/tools", "/officer/run", "/officer/data",
+                           "/etc/hosts"}
     for destination, writable in (("/officer/tools", False), ("/officer/user/tools", False), ("/officer/run", False),
-                                  ("/officer/user", True), ("/officer/data", True)):
+                                  ("/etc/hosts", False), ("/officer/user", True), ("/officer/data", True)):
         assert mounts[destination]["Type"] == "bind" and mounts[destination]["RW"] is writable, destination
     assert mounts["/officer/data"]["Source"].endswith(f"/email/{USER}")  # this user's email folder alone
     assert not any("docker.sock" in m["Source"] for m in inspected["Mounts"])

@@ -88,6 +88,16 @@ def test_socket_mode_mounts_the_socket_directory_read_only_and_closes_stdin(tmp_
     assert made.container["stdin_open"] is False
 
 
+def test_with_no_network_localhost_resolves_from_a_read_only_hosts_file(tmp_path: Path) -> None:
+    """Docker leaves /etc/hosts empty in a container without a network: the socket directory's
+    loopback-only file stands in (the browser relay is reached at localhost:PORT too)."""
+    mounts = {m["Target"]: m for m in make(tmp_path).host_config["mounts"]}
+    assert mounts["/etc/hosts"]["Source"] == "/run/s/x/hosts" and mounts["/etc/hosts"]["ReadOnly"] is True
+    # On a network Docker writes the file itself; in attach mode there is no socket directory.
+    for made in (make(tmp_path, network="sandboxd"), make(tmp_path, shim_dir=None)):
+        assert "/etc/hosts" not in {m["Target"] for m in made.host_config["mounts"]}
+
+
 def test_attach_mode_has_no_socket_directory_and_no_way_out(tmp_path: Path) -> None:
     made = make(tmp_path, shim_dir=None)
     assert CONTAINER_SHIM_DIR not in {m["Target"] for m in made.host_config["mounts"]}
