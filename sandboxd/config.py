@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from sandboxd import __version__
+from sandboxd.egress.browser_relay import BrowserRelay
 from sandboxd.egress.policy import AllowEntry
 from sandboxd.egress.secrets import parse_secret_hosts
 from sandboxd.errors import ConfigError
@@ -273,6 +274,35 @@ class EgressConfig(_Section):
         return value
 
 
+class IntegrationsConfig(_Section):
+    _relay: BrowserRelay | None = PrivateAttr(None)
+    browser_relay: str | None = Field(None, description="Where the platform's browser relay listens, HOST:PORT or HOST:FIRST-LAST: a call whose OFFICER_BROWSER_RELAY_PORT is one of those ports reaches HOST:that port at 127.0.0.1 inside its sandbox; null = no relay.")
+
+    @field_validator("browser_relay", mode="before")
+    @classmethod
+    def _host_and_port(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            # A bare port; or YAML 1.1 reading an unquoted host:port of digits as a base-60 number.
+            raise ValueError(f"{value!r} is not HOST:PORT; name the relay's host too, and quote it, "
+                             "e.g. '127.0.0.1:9222' or '127.0.0.1:9222-9230'")
+        if isinstance(value, str):
+            BrowserRelay.parse(value)  # ValueError naming the problem, under the key's name
+        elif value is not None:  # e.g. YAML's mapping for an unquoted "127.0.0.1:"
+            raise ValueError(f"{value!r} is not HOST:PORT or HOST:FIRST-LAST; quote it, "
+                             "e.g. '127.0.0.1:9222' or '127.0.0.1:9222-9230'")
+        return value
+
+    @model_validator(mode="after")
+    def _parsed(self) -> IntegrationsConfig:
+        self._relay = BrowserRelay.parse(self.browser_relay) if self.browser_relay is not None else None
+        return self
+
+    @property
+    def relay(self) -> BrowserRelay | None:
+        """``browser_relay`` parsed (once, not at every call that reads it)."""
+        return self._relay
+
+
 class MetricsConfig(_Section):
     listen: str | None = Field(None, description="Where Prometheus metrics are served: HOST:PORT on loopback, or a unix socket path; null = off.")
 
@@ -322,6 +352,7 @@ class Config(_Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     egress: EgressConfig = Field(default_factory=EgressConfig)
+    integrations: IntegrationsConfig = Field(default_factory=IntegrationsConfig)
 
     @field_validator("allowed_uids", mode="before")
     @classmethod
@@ -604,7 +635,7 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
 # matches an entry exactly or by its section prefix; every other key needs a restart.
-LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "log_level", "log_rate", "log_burst", "max_message_bytes", "allowed_uids", "allowed_gids",
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "integrations.", "log_level", "log_rate", "log_burst", "max_message_bytes", "allowed_uids", "allowed_gids",
              "allow_unsafe")  # live with the sandbox settings it was checked against
 # Exceptions inside live sections: fixed when the backend is built.
 RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")

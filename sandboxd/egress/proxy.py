@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from sandboxd.config import EgressConfig
 from sandboxd.egress.addresses import SCOPED
+from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
 from sandboxd.egress.relay import Relay
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host, parse_secret_hosts
@@ -85,7 +86,8 @@ def _answer(status: int, kind: str, message: str) -> bytes:
 class EgressProxy:
     """The policy, the resolver and the counters every sandbox's session shares."""
 
-    def __init__(self, config: EgressConfig, *, resolve: Resolve | None = None) -> None:
+    def __init__(self, config: EgressConfig, *, browser_relay: BrowserRelay | None = None,
+                 resolve: Resolve | None = None) -> None:
         # Not the default executor: a tool asking for slow names must not hold the threads other work runs on.
         self._dns = concurrent.futures.ThreadPoolExecutor(max_workers=DNS_THREADS, thread_name_prefix="sandboxd-dns")
         self._resolve = resolve or self._getaddrinfo
@@ -94,6 +96,7 @@ class EgressProxy:
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()  # (decision, reason) → count
         self.secret_uses: collections.Counter[str] = collections.Counter()  # egress.secrets name → substitutions
         self.reconfigure(config)
+        self.browser_relay = browser_relay  # integrations.browser_relay: set again on reload
         self._moving: dict[object, float] = {}  # each sandbox's budget → when it last moved bytes
         self._share, self._share_at = float(config.rate_bytes), float("-inf")
 
@@ -175,30 +178,33 @@ class EgressProxy:
         early = policy.before_resolving(host, port, literal)
         if early is not None:
             return [], early
-        if literal is not None:
-            addresses = [literal]
-        else:
-            try:
-                async with asyncio.timeout(self.config.connect_timeout_ms / 1000):
-                    await lookups.acquire()
-                    lookup = asyncio.ensure_future(self._resolve(host, port))
-                    lookup.add_done_callback(_release_after(lookups))
-                    addresses = await asyncio.shield(lookup)
-            except TimeoutError:
-                raise _Refused(504, f"egress to {host}:{port} failed: resolving the name took longer than "
-                                    f"{self.config.connect_timeout_ms} ms (egress.connect_timeout_ms)",
-                               reason="resolve timeout") from None
-            except (OSError, UnicodeError) as exc:
-                raise _Refused(502, f"egress to {host}:{port} failed: the name does not resolve ({exc})",
-                               reason="name does not resolve") from None
-            if not addresses:
-                raise _Refused(502, f"egress to {host}:{port} failed: the name has no address",
-                               reason="name does not resolve")
+        addresses = [literal] if literal is not None else await self.lookup(host, port, lookups)
         verdicts = [(address, policy.for_address(host, port, address)) for address in addresses]
         allowed = [address for address, verdict in verdicts if verdict.allowed]
         if allowed:
             return allowed, next(verdict for _, verdict in verdicts if verdict.allowed)
         return [], verdicts[0][1] if len(verdicts) == 1 else _first_refusal(verdicts)
+
+    async def lookup(self, host: str, port: int, lookups: asyncio.Semaphore) -> list[IPAddress]:
+        """The addresses of the name ``host`` (``lookups`` bounds the sandbox's lookups in flight, see
+        ``decide``); raises _Refused when it does not resolve (in time)."""
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_ms / 1000):
+                await lookups.acquire()
+                lookup = asyncio.ensure_future(self._resolve(host, port))
+                lookup.add_done_callback(_release_after(lookups))
+                addresses = await asyncio.shield(lookup)
+        except TimeoutError:
+            raise _Refused(504, f"egress to {host}:{port} failed: resolving the name took longer than "
+                                f"{self.config.connect_timeout_ms} ms (egress.connect_timeout_ms)",
+                           reason="resolve timeout") from None
+        except (OSError, UnicodeError) as exc:
+            raise _Refused(502, f"egress to {host}:{port} failed: the name does not resolve ({exc})",
+                           reason="name does not resolve") from None
+        if not addresses:
+            raise _Refused(502, f"egress to {host}:{port} failed: the name has no address",
+                           reason="name does not resolve")
+        return addresses
 
 
 def _release_after(lookups: asyncio.Semaphore) -> Callable[[asyncio.Future[list[IPAddress]]], None]:
@@ -330,15 +336,20 @@ class EgressSession:
         except ValueError as exc:
             await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
+        relaying = host == RELAY_NAME
+        if relaying and self._proxy.browser_relay is not None:
+            host = self._proxy.browser_relay.host  # what is logged: where the tunnel goes
         try:
-            addresses, verdict = await self._proxy.decide(host, port, self._lookups)
+            addresses, verdict = await (self._relay_addresses(host, port) if relaying
+                                        else self._proxy.decide(host, port, self._lookups))
         except _Refused as refused:
             self._record("failed", refused.reason, host, port, None)
             await _reply(conn, refused.status, "failed", refused.message)
             return
         if not addresses:
             self._record("refused", verdict.reason, host, port, parse_address(host))
-            await _reply(conn, 403, "refused", refusal_message(host, port, None, verdict))
+            await _reply(conn, 403, "refused", relay_refusal_message(port, verdict) if relaying
+                         else refusal_message(host, port, None, verdict))
             return
         try:
             upstream, address = await _connect(addresses, port, config.connect_timeout_ms)
@@ -346,7 +357,7 @@ class EgressSession:
             self._record("failed", refused.reason, host, port, addresses[0])
             await _reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
             return
-        rewrite = self._context()[2].rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
+        rewrite = self._context().stand_ins.rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
         if scheme == "https":
             await self._serve_tls(conn, upstream, host, port, address, verdict, rewrite, early)
             return
@@ -418,9 +429,19 @@ class EgressSession:
             await asyncio.sleep(wait)
         self.budget.spend(size)
 
+    async def _relay_addresses(self, host: str, port: int) -> tuple[list[IPAddress], Verdict]:
+        """The browser relay's addresses, when the running call was granted ``port`` (browser_relay.py);
+        ``[]`` when refused. The operator named the host: the egress policy does not judge it, but a
+        name still resolves within the sandbox's lookups."""
+        verdict = tunnel_verdict(self._proxy.browser_relay, port, self._context().relay_port)
+        if not verdict.allowed:
+            return [], verdict
+        literal = parse_address(host)
+        return [literal] if literal is not None else await self._proxy.lookup(host, port, self._lookups), verdict
+
     def _record(self, decision: str, reason: str, host: str | None, port: int, address: IPAddress | None,
                 rewrite: Rewrite | None = None) -> None:
-        tool, secrets, _ = self._context()
+        call = self._context()
         self._proxy.decisions[(decision, _reason_label(reason))] += 1
         named = {}  # never the values: the names of the secrets put in, and of stand-ins sent elsewhere
         if rewrite is not None and rewrite.substituted:
@@ -428,8 +449,8 @@ class EgressSession:
             self._proxy.secret_uses.update(rewrite.substituted)
         if rewrite is not None and rewrite.misdirected:
             named["stand_ins_misdirected"] = list(rewrite.misdirected)
-        with masking(secrets):  # a tool could put its token in a host name
-            log.info("egress", user=self.user, sandbox=self.sandbox_id, tool=tool, host=host, port=port,
+        with masking(call.secrets):  # a tool could put its token in a host name
+            log.info("egress", user=self.user, sandbox=self.sandbox_id, tool=call.tool, host=host, port=port,
                      address=str(address) if address is not None else None, decision=decision, reason=reason,
                      **named, budget=source("sandbox", self.sandbox_id))
 
@@ -539,6 +560,8 @@ def _parse(head: bytes) -> tuple[str, str, str, int, bytes]:
         raise ValueError(f"{target[:200]!r} is neither CONNECT host:port nor an absolute http:// URL")
     default_port = 443 if url.scheme == "https" else 80
     host, port = _authority(url.netloc if ":" in url.netloc.rsplit("]", 1)[-1] else f"{url.netloc}:{default_port}")
+    if host == RELAY_NAME:
+        raise ValueError(f"the browser relay is reached with CONNECT {RELAY_NAME}:PORT, not {method}")
     path = url.path or "/"
     if url.query:
         path += "?" + url.query

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
+from sandboxd.egress.browser_relay import RelayForCall
+
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
     from sandboxd.egress.secrets import StandIns
@@ -21,9 +23,21 @@ if TYPE_CHECKING:
     from sandboxd.tools.transpile_cache import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
-# What a sandbox is doing, for the egress proxy: the running tool (None when idle), the
-# secrets its output is masked against, and the running call's stand-ins (egress.secrets).
-EgressContext = Callable[[], "tuple[str | None, frozenset[str], StandIns]"]
+
+
+@dataclass(frozen=True)
+class EgressCall:
+    """What a sandbox is doing, for its egress: the running tool (None when idle), the secrets its
+    output is masked against, the running call's stand-ins (egress.secrets) and the browser relay
+    port it was granted (integrations.browser_relay; None when not)."""
+
+    tool: str | None
+    secrets: frozenset[str]
+    stand_ins: StandIns
+    relay_port: int | None = None
+
+
+EgressContext = Callable[[], EgressCall]
 
 
 class EgressSession(Protocol):
@@ -126,9 +140,11 @@ class CallRequest:
     # The real values behind the stand-ins in ``env`` (egress.secrets): sent only as the hosts
     # whose requests the shim must let the egress proxy read.
     stand_ins: StandIns | None = None
+    # Sent when the env names OFFICER_BROWSER_RELAY_PORT: where the shim listens, or why it does not.
+    browser_relay: RelayForCall | None = None
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        params = {
             "toolCallId": self.tool_call_id,
             "entry": self.entry,
             "arguments": self.arguments,
@@ -136,6 +152,9 @@ class CallRequest:
             "maxResultBytes": self.max_result_bytes,
             **({"egressSecretHosts": self.stand_ins.shim_hosts()} if self.stand_ins else {}),
         }
+        if self.browser_relay is not None:
+            params["browserRelay"] = self.browser_relay.to_param()
+        return params
 
 
 class Sandbox(Protocol):

@@ -27,7 +27,7 @@ from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, masking, source
-from sandboxd.sandbox.backend import CallRequest, OutputLimits, ProgressCallback
+from sandboxd.sandbox.backend import CallRequest, EgressCall, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
 
@@ -209,10 +209,12 @@ class ShimSandbox:
         self._refill: asyncio.TimerHandle | None = None
         self._running_tool: str | None = None
         self._stand_ins = StandIns()  # the running call's; none while idle: a stand-in is worth nothing after its call
+        self._relay_port: int | None = None
 
-    def egress_context(self) -> tuple[str | None, frozenset[str], StandIns]:
-        """The tool running now (None when idle), every secret to mask, and the running call's stand-ins."""
-        return self._running_tool, self._secrets, self._stand_ins
+    def egress_context(self) -> EgressCall:
+        """The tool running now (None when idle), every secret to mask, the running call's stand-ins and
+        the relay port it was granted."""
+        return EgressCall(self._running_tool, self._secrets, self._stand_ins, self._relay_port)
 
     @property
     def alive(self) -> bool:
@@ -227,12 +229,14 @@ class ShimSandbox:
         future = self.channel.call(request, on_progress)
         self._running_tool = request.tool or None
         self._stand_ins = request.stand_ins or StandIns()
+        self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         future.add_done_callback(self._call_ended)
         return future
 
     def _call_ended(self, _future: asyncio.Future[dict[str, Any]]) -> None:
         self._running_tool = None
         self._stand_ins = StandIns()
+        self._relay_port = None
 
     def cancel(self, reason: str) -> None:
         self.channel.cancel(reason)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from sandboxd.config import Config
+from sandboxd.egress.browser_relay import relay_for_call
 from sandboxd.egress.secrets import StandIns, value_problem
 from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import get_logger, secret_values, source
@@ -344,6 +345,7 @@ class CallRunner:
             tool=call.tool.name,
             secrets=secrets,
             stand_ins=stand_ins,
+            browser_relay=relay_for_call(self.config.integrations.relay, call.env),
         )
 
     async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, call: CallParams, ctx: CallContext,

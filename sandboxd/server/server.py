@@ -80,7 +80,7 @@ class Server:
         self._data_lock: int | None = None  # the fd holding DATA_PATH_LOCK
         self.peer_policy = PeerPolicy.from_config(config)
         # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
-        self.egress = EgressProxy(config.egress)
+        self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
@@ -337,6 +337,8 @@ class Server:
             set_log_budget(effective.log_rate, effective.log_burst)
         if any(key.startswith("egress.") for key in applied):
             self.egress.reconfigure(effective.egress)  # from the next request on; open tunnels stay
+        if "integrations.browser_relay" in applied:
+            self.egress.browser_relay = effective.integrations.relay  # likewise
         if change.touches("sandbox"):
             self.backend.reconfigure(effective.sandbox)
             self.pool.retire_all()  # every later call runs under the new sandbox settings

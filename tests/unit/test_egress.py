@@ -20,6 +20,7 @@ from sandboxd.egress.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL,
 from sandboxd.egress.policy import AllowEntry, EgressPolicy
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.secrets import StandIns
+from sandboxd.sandbox.backend import EgressCall
 
 PUBLIC_V4 = "93.184.215.14"  # only ever judged, never connected to
 PUBLIC_V6 = "2606:2800:21f:cb07:6820:80da:af6b:8b2c"
@@ -326,7 +327,7 @@ def no_connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 def test_refusals_answer_403_naming_the_policy_before_any_connect(target: str, no_connects: list[Any]) -> None:
     async def scenario() -> None:
         proxy, _ = make_proxy({"intranet.test": ["10.1.1.1"]})
-        session = proxy.session("alice@example.com", "sbx1", lambda: ("web_fetch", frozenset(), StandIns()))
+        session = proxy.session("alice@example.com", "sbx1", lambda: EgressCall("web_fetch", frozenset(), StandIns()))
         answer = await exchange(session, f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 403 Forbidden") and b"X-Sandboxd-Egress: refused" in head
@@ -341,7 +342,7 @@ def test_refusals_answer_403_naming_the_policy_before_any_connect(target: str, n
 def test_a_name_resolving_to_a_private_address_is_refused_with_that_address(no_connects: list[Any]) -> None:
     async def scenario() -> bytes:
         proxy, looked_up = make_proxy({"rebind.test": ["10.1.1.1"]})
-        answer = await exchange(proxy.session("a@b.c", "s", lambda: (None, frozenset(), StandIns())),
+        answer = await exchange(proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns())),
                                 b"GET http://rebind.test/secret HTTP/1.1\r\nHost: rebind.test\r\n\r\n")
         assert looked_up == ["rebind.test"]
         return answer
@@ -355,7 +356,7 @@ def test_a_listed_local_server_is_reached_by_connect_and_by_absolute_form() -> N
     async def scenario() -> None:
         upstream = await Upstream().start()
         proxy, _ = make_proxy(allow=[f"127.0.0.1:{upstream.port}"])
-        session = proxy.session("a@b.c", "s", lambda: ("t", frozenset(), StandIns()))
+        session = proxy.session("a@b.c", "s", lambda: EgressCall("t", frozenset(), StandIns()))
         tunnel = await exchange(session, f"CONNECT 127.0.0.1:{upstream.port} HTTP/1.1\r\n\r\n".encode()
                                 + b"GET / HTTP/1.0\r\n\r\n")
         assert tunnel.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.0 200 OK"), tunnel
@@ -369,7 +370,7 @@ def test_a_listed_local_server_is_reached_by_connect_and_by_absolute_form() -> N
         assert proxy.decisions[("allowed", "egress.allow")] == 2 and session.connections == 0
         # Without the entry, the same server is loopback: refused, and it sees nothing.
         before = upstream.connections
-        refused = await exchange(make_proxy()[0].session("a@b.c", "s", lambda: (None, frozenset(), StandIns())),
+        refused = await exchange(make_proxy()[0].session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns())),
                                  f"CONNECT 127.0.0.1:{upstream.port} HTTP/1.1\r\n\r\n".encode())
         assert b"403" in refused.split(b"\r\n")[0] and upstream.connections == before
 
@@ -390,7 +391,7 @@ def test_a_listed_local_server_is_reached_by_connect_and_by_absolute_form() -> N
 def test_malformed_requests_get_400_naming_the_problem(request_bytes: bytes, problem: bytes) -> None:
     async def scenario() -> bytes:
         proxy, looked_up = make_proxy()
-        answer = await exchange(proxy.session("a@b.c", "s", lambda: (None, frozenset(), StandIns())), request_bytes)
+        answer = await exchange(proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns())), request_bytes)
         assert looked_up == []
         return answer
 
@@ -401,7 +402,7 @@ def test_malformed_requests_get_400_naming_the_problem(request_bytes: bytes, pro
 def test_an_unknown_name_and_a_refused_port_fail_with_502_and_a_reason() -> None:
     async def scenario() -> None:
         proxy, _ = make_proxy()
-        session = proxy.session("a@b.c", "s", lambda: (None, frozenset(), StandIns()))
+        session = proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns()))
         answer = await exchange(session, b"CONNECT nowhere.test:443 HTTP/1.1\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 502") and b"X-Sandboxd-Egress: failed" in answer
         assert b"egress to nowhere.test:443 failed: the name does not resolve" in answer
@@ -410,7 +411,7 @@ def test_an_unknown_name_and_a_refused_port_fail_with_502_and_a_reason() -> None
         port = closed.getsockname()[1]
         closed.close()  # nothing listens there now
         allowed, _ = make_proxy(allow=[f"127.0.0.1:{port}"])
-        answer = await exchange(allowed.session("a@b.c", "s", lambda: (None, frozenset(), StandIns())),
+        answer = await exchange(allowed.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns())),
                                 f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
         assert answer.startswith(b"HTTP/1.1 502") and b"failed: connection refused" in answer, answer
 
@@ -420,7 +421,7 @@ def test_an_unknown_name_and_a_refused_port_fail_with_502_and_a_reason() -> None
 def test_a_sandbox_holds_at_most_max_connections_and_close_ends_them() -> None:
     async def scenario() -> None:
         proxy, _ = make_proxy(max_connections=2)
-        session = proxy.session("a@b.c", "s", lambda: (None, frozenset(), StandIns()))
+        session = proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns()))
         held = []
         for _ in range(2):  # two connections that never finish their request head
             ours, theirs = socket.socketpair()
@@ -450,7 +451,7 @@ def test_the_log_names_user_tool_and_decision_and_masks_secrets() -> None:
 
     async def scenario() -> None:
         proxy, _ = make_proxy()
-        session = proxy.session("alice@example.com", "sbx1", lambda: ("web_fetch", frozenset({token}), StandIns()))
+        session = proxy.session("alice@example.com", "sbx1", lambda: EgressCall("web_fetch", frozenset({token}), StandIns()))
         await exchange(session, f"CONNECT {token}.10.0.0.5.test:443 HTTP/1.1\r\n\r\n".encode())
         await exchange(session, b"CONNECT 10.0.0.5:80 HTTP/1.1\r\n\r\n")
 
@@ -476,7 +477,7 @@ def test_a_sandboxs_traffic_is_held_to_egress_rate_bytes() -> None:
         port = server.sockets[0].getsockname()[1]
         proxy, _ = make_proxy(allow=[f"127.0.0.1:{port}"], rate_bytes=1 << 20)
         started = asyncio.get_running_loop().time()
-        answer = await exchange(proxy.session("a@b.c", "s", lambda: (None, frozenset(), StandIns())),
+        answer = await exchange(proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns())),
                                 f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\nGET / HTTP/1.0\r\n\r\n".encode())
         assert answer.endswith(b"x" * 1000) and len(answer) > size
         server.close()
@@ -512,14 +513,14 @@ def test_one_sandbox_holds_at_most_two_lookups_even_after_they_time_out(no_conne
             return [ipaddress.ip_address("10.0.0.5")]  # refused by class: nothing is connected to
 
         proxy = EgressProxy(EgressConfig(connect_timeout_ms=200), resolve=slow)
-        hostile = proxy.session("a@b.c", "s1", lambda: (None, frozenset(), StandIns()))
+        hostile = proxy.session("a@b.c", "s1", lambda: EgressCall(None, frozenset(), StandIns()))
         answers = await asyncio.gather(*(exchange(hostile, f"CONNECT slow{i}.test:443 HTTP/1.1\r\n\r\n".encode())
                                          for i in range(3)))
         assert all(a.startswith(b"HTTP/1.1 504") for a in answers), answers  # all gave up after 200 ms
         assert sorted(running) == ["slow0.test", "slow1.test"]  # the third never got a lookup
         late = await exchange(hostile, b"CONNECT slow3.test:443 HTTP/1.1\r\n\r\n")
         assert late.startswith(b"HTTP/1.1 504") and len(running) == 2  # still held: their threads run on
-        other = asyncio.ensure_future(exchange(proxy.session("b@b.c", "s2", lambda: (None, frozenset(), StandIns())),
+        other = asyncio.ensure_future(exchange(proxy.session("b@b.c", "s2", lambda: EgressCall(None, frozenset(), StandIns())),
                                                b"CONNECT other.test:443 HTTP/1.1\r\n\r\n"))
         await asyncio.sleep(0.05)
         assert "other.test" in running  # another sandbox looks up at once

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
-from sandboxd.sandbox.backend import CallRequest
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.logging import configure_logging, secret_values
+from sandboxd.sandbox.backend import CallRequest, EgressCall
 from tests.tls_certs import make_ca
 from tests.unit.test_server import USER, Harness, serving
 
@@ -203,7 +203,7 @@ def test_the_proxy_puts_the_value_in_the_head_never_the_body_and_logs_the_name(t
         proxy = EgressProxy(EgressConfig(allow=[entry, f"127.0.0.1:{other.port}"], secrets={"T": [entry]}))
         stand_in, found = (lambda e_f: (e_f[0]["T"], e_f[1]))(StandIns.for_call({"T": TOKEN}, {"T": [entry]}))
         with secret_values([TOKEN]):  # as CallRunner registers a call's env values
-            session = proxy.session("a@b.c", "s", lambda: ("t", frozenset({TOKEN}), found))
+            session = proxy.session("a@b.c", "s", lambda: EgressCall("t", frozenset({TOKEN}), found))
         body = f'{{"token": "{stand_in}"}}'.encode()
         request = (f"POST http://{entry}/run?token={stand_in} HTTP/1.1\r\nHost: {entry}\r\n"
                    f"Authorization: Bearer {stand_in}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
@@ -238,7 +238,7 @@ def test_https_in_absolute_form_is_made_by_the_proxy_verifying_the_origin(tmp_pa
         entries = [f"127.0.0.1:{own.port}", f"127.0.0.1:{impostor.port}"]
         proxy = EgressProxy(EgressConfig(allow=entries, secrets={"T": entries}, ca_file=ca.ca_file))
         env, found = StandIns.for_call({"T": TOKEN}, {"T": entries})
-        session = proxy.session("a@b.c", "s", lambda: ("t", frozenset({TOKEN}), found))
+        session = proxy.session("a@b.c", "s", lambda: EgressCall("t", frozenset({TOKEN}), found))
         # A Host of the tool's choosing (domain fronting: another site behind the same server) is replaced.
         answer = await send(session, (f"GET https://127.0.0.1:{own.port}/?k={env['T']} HTTP/1.1\r\n"
                                       f"Host: attacker.example\r\nX-Key: {env['T']}\r\n\r\n").encode())
@@ -252,7 +252,7 @@ def test_https_in_absolute_form_is_made_by_the_proxy_verifying_the_origin(tmp_pa
         assert impostor.requests == []
         # A host no secret names keeps https end to end: CONNECT, not the proxy's own TLS.
         plain = EgressProxy(EgressConfig(allow=entries, ca_file=ca.ca_file))
-        answer = await send(plain.session("a@b.c", "s", lambda: ("t", frozenset(), StandIns())),
+        answer = await send(plain.session("a@b.c", "s", lambda: EgressCall("t", frozenset(), StandIns())),
                             f"GET https://127.0.0.1:{own.port}/ HTTP/1.1\r\n\r\n".encode())
         assert answer.startswith(b"HTTP/1.1 400") and b"https goes through CONNECT" in answer
         assert len(own.requests) == 1

@@ -18,7 +18,7 @@ from sandboxd.config import load_config
 from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging
-from sandboxd.sandbox.backend import CallRequest
+from sandboxd.sandbox.backend import CallRequest, EgressCall
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server
 from tests.unit.test_server import USER, hello_tree
@@ -196,7 +196,7 @@ def test_one_call_event_per_call_without_secrets(tmp_path: Path) -> None:
 def test_egress_decisions_are_counted_by_decision_and_reason(tmp_path: Path) -> None:
     async def test(server: Server) -> None:
         ours, theirs = socket.socketpair()
-        session = server.egress.session(USER, "s1", lambda: ("hello", frozenset(), StandIns()))
+        session = server.egress.session(USER, "s1", lambda: EgressCall("hello", frozenset(), StandIns()))
         handled = asyncio.ensure_future(session.handle(theirs))
         reader, writer = await asyncio.open_connection(sock=ours)
         writer.write(b"CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n")

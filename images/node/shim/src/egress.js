@@ -23,6 +23,7 @@ const Module = require('node:module');
 const path = require('node:path');
 const childProcess = require('node:child_process');
 const { pipeline } = require('node:stream');
+const relay = require('./relay');
 
 const MAX_HEAD_BYTES = 16 * 1024; // the proxy's response head; more is not the proxy
 const MAX_BODY_BYTES = 4 * 1024; // of a refusal's body: one line of text is expected
@@ -104,7 +105,8 @@ function openTunnel(host, port, signal) {
     }
     let target;
     try {
-      target = authorityOf(host, port);
+      // The call's browser relay port on loopback is the relay's (relay.js), not the host's loopback.
+      target = authorityOf(relay.tunnelHost(host, port) || host, port);
     } catch (e) {
       reject(e);
       return;
@@ -479,13 +481,15 @@ function installAgents() {
   }
 }
 
-// A raw socket to an outside address fails at once (no route, no DNS): say why.
+// A raw socket to an outside address fails at once (no route, no DNS), and one to a browser
+// relay port the daemon refused finds no listener: say why.
 function installNoRouteHint() {
   const destroy = net.Socket.prototype._destroy;
   net.Socket.prototype._destroy = function _destroy(err, cb) {
-    if (err && NO_ROUTE_CODES.has(err.code) && typeof err.message === 'string' && !err.message.includes(NO_ROUTE_HINT)) {
+    const hint = err && (NO_ROUTE_CODES.has(err.code) ? NO_ROUTE_HINT : relay.hint(err));
+    if (hint && typeof err.message === 'string' && !err.message.includes(hint)) {
       const old = err.message;
-      err.message = `${old} (${NO_ROUTE_HINT})`;
+      err.message = `${old} (${hint})`;
       if (typeof err.stack === 'string') err.stack = err.stack.replace(old, err.message);
     }
     return destroy.call(this, err, cb);

@@ -65,6 +65,7 @@ const log = out.log;
 // Before any tool code runs: fetch, http(s) and child processes go through the proxy.
 const egress = egressSocket ? require('./egress') : null;
 const egressReady = egress ? egress.install(egressSocket, log) : null;
+const relay = egress ? require('./relay') : null;
 
 const precompiledDir = process.env.SANDBOXD_TRANSPILE_CACHE;
 delete process.env.SANDBOXD_TRANSPILE_CACHE;
@@ -139,6 +140,7 @@ function finish(call, result) {
     egress.reassertEnv(); // in case the tool changed them
     egress.setSecretHosts(null); // a stand-in is worth nothing after its call: tunnels again
   }
+  if (relay) relay.endCall();
   let json = results.encodeResult(result, call.maxResultBytes);
   const helper = egress && egress.helperPid();
   const retire = leftovers.retireReason(helper ? [helper] : []);
@@ -206,6 +208,8 @@ async function handleCall(msg) {
   lastToolCallId = toolCallId;
   calls += 1;
   applyEnv(call, env);
+  // Listening before the tool runs: it may connect at once.
+  if (relay && p.browserRelay !== undefined) await relay.forCall(p.browserRelay, egress.openTunnel, out.callLog);
 
   let result;
   try {

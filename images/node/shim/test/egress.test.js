@@ -136,8 +136,8 @@ class Shim {
   }
 
   /** Runs the egress fixture tool; returns its JSON report. */
-  async tool(args, env) {
-    const msg = await this.request('call', { entry: TOOL, arguments: args, env });
+  async tool(args, env, browserRelay) {
+    const msg = await this.request('call', { entry: TOOL, arguments: args, env, browserRelay });
     assert.equal(msg.result && msg.result.status, 'ok', JSON.stringify(msg));
     return JSON.parse(msg.result.content[0].text);
   }
@@ -173,6 +173,16 @@ after(() => {
   proxy.server.close();
   fs.rmSync(proxy.dir, { recursive: true, force: true });
 });
+
+/** A port nothing listens on now. */
+function freePort() {
+  return new Promise((resolve) => {
+    const server = net.createServer().listen(0, '127.0.0.1', () => {
+      const { port } = server.address();
+      server.close(() => resolve(port));
+    });
+  });
+}
 
 /** The proxy requests made while fn ran. */
 async function recorded(fn) {
@@ -275,6 +285,38 @@ describe('with SANDBOXD_EGRESS_SOCKET', () => {
     const py = await s.tool({ op: 'python', url: 'http://example.test/still' }, callEnv);
     assert.match(py.out, /^status 200\n/, JSON.stringify(py));
     assert.match(s.stderr, /env HTTP_PROXY ignored: the shim points it at sandboxd's egress proxy/);
+  });
+
+  test("the call's browser relay port: loopback connections and fetch go to the relay's name", async () => {
+    const port = await freePort();
+    const relay = { port };
+    const { value, requests } = await recorded(() => s.tool({ op: 'fetch', url: `http://127.0.0.1:${port}/relay` }, {}, relay));
+    assert.equal(value.ok, true, JSON.stringify(value));
+    assert.equal(JSON.parse(value.body).url, '/relay');
+    assert.deepEqual(requests, [{ method: 'CONNECT', target: `browser-relay.sandboxd.invalid:${port}` }]);
+    // A raw connection finds the shim listening there for the call; the tunnel follows.
+    const from = proxy.requests.length;
+    const raw = await s.tool({ op: 'net', host: '127.0.0.1', port }, {}, relay);
+    assert.equal(raw.ok, true, JSON.stringify(raw));
+    while (proxy.requests.length === from) await new Promise((r) => setTimeout(r, 10));
+    assert.deepEqual(proxy.requests.slice(from), [{ method: 'CONNECT', target: `browser-relay.sandboxd.invalid:${port}` }]);
+    // Another port, and the same port in a call not given it: the host's loopback, as ever (a new
+    // connection: fetch would reuse its pooled tunnel, which stays open as every tunnel does).
+    const other = await recorded(() => s.tool({ op: 'get', url: `http://127.0.0.1:${port + 1}/`, agent: 'false' }, {}, relay));
+    const after = await recorded(() => s.tool({ op: 'get', url: `http://127.0.0.1:${port}/`, agent: 'false' }));
+    assert.deepEqual([...other.requests, ...after.requests],
+      [{ method: 'CONNECT', target: `127.0.0.1:${port + 1}` }, { method: 'CONNECT', target: `127.0.0.1:${port}` }]);
+    const closed = await s.tool({ op: 'net', host: '127.0.0.1', port });
+    assert.equal(closed.code, 'ECONNREFUSED', JSON.stringify(closed)); // the listener went with its call
+    assert.doesNotMatch(closed.message, /browser relay/);
+  });
+
+  test('a relay port the daemon refused has no listener, and the refusal says why', async () => {
+    const port = await freePort();
+    const error = `the browser relay is not reached on port ${port}: the port is outside integrations.browser_relay`;
+    const refused = await s.tool({ op: 'net', host: '127.0.0.1', port }, {}, { port, error });
+    assert.equal(refused.code, 'ECONNREFUSED', JSON.stringify(refused));
+    assert.equal(refused.message, `connect ECONNREFUSED 127.0.0.1:${port} (${error})`);
   });
 
   test('no name was looked up in the shim, whatever the path', async () => {
