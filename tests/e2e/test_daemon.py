@@ -436,14 +436,14 @@ def test_the_shim_socket_is_gone_once_the_shim_connected(make_daemon: Any, docke
             time.sleep(0.1)
     assert shims.stat().st_mode & 0o777 == 0o700  # on the host, only the daemon's user gets in
     # An earlier run's leftovers are gone, and each sandbox's shim socket once used: only the
-    # egress proxy's socket stays, one directory per running sandbox.
+    # egress proxy's socket stays (and the sandbox's /etc/hosts), one directory per running sandbox.
     containers = daemon.containers(docker_api)
     assert len(list(shims.iterdir())) == len(containers) == 2
-    assert all([p.name for p in d.iterdir()] == ["egress.sock"] for d in shims.iterdir())
+    assert all(sorted(p.name for p in d.iterdir()) == ["egress.sock", "hosts"] for d in shims.iterdir())
     for container in containers:
         listing = subprocess.run(["docker", "exec", container["Id"], "ls", "-A", "/officer/run"],
                                  capture_output=True, text=True, timeout=30)
-        assert listing.returncode == 0 and listing.stdout == "egress.sock\n", listing  # no shim socket to take
+        assert listing.returncode == 0 and listing.stdout == "egress.sock\nhosts\n", listing  # no shim socket to take
     daemon.stop()
     assert list(shims.iterdir()) == []  # each removed with its sandbox
 

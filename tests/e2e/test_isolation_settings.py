@@ -121,12 +121,14 @@ def test_a_shim_socket_serves_only_its_own_shim(make_daemon: Any) -> None:
     with daemon.client() as client:
         for user in (ALICE, BOB):
             report = json.loads(text_of(call(client, user, "shim_knocker")))
-            assert report == {"listing": ["egress.sock"], "outcome": "ENOENT"}, report  # egress: its way out
+            report["listing"].sort()
+            assert report == {"listing": ["egress.sock", "hosts"], "outcome": "ENOENT"}, report  # egress: its way out
     shims = daemon.socket.parent / f"{daemon.socket.name}.shims"
     info = shims.lstat()
     assert (info.st_uid, info.st_mode & 0o777) == (os.geteuid(), 0o700)
-    # Two sandboxes run, and no shim socket of theirs is left to connect to: only their egress sockets.
-    assert [os.listdir(shims / d) for d in os.listdir(shims)] == [["egress.sock"], ["egress.sock"]]
+    # Two sandboxes run, and no shim socket of theirs is left to connect to: only their egress sockets
+    # (and the /etc/hosts each mounts).
+    assert [sorted(os.listdir(shims / d)) for d in os.listdir(shims)] == [["egress.sock", "hosts"]] * 2
 
 
 # --- dangerous settings ------------------------------------------------------------------------

@@ -325,8 +325,9 @@ def test_a_member_of_the_group_runs_a_tool_in_a_real_sandbox_and_an_outsider_is_
     sandbox = machine.events("call")[-1]["sandbox"]
     ran = [c for c in instance_containers(docker_api) if c["Id"].startswith(sandbox)]
     assert len(ran) == 1 and ran[0]["Image"] == RUNNER_IMAGE, instance_containers(docker_api)
-    shim_mounts = [m["Source"] for m in ran[0]["Mounts"] if m["Source"].startswith(f"{SOCKET}.shims/")]
-    assert len(shim_mounts) == 1, ran[0]["Mounts"]  # the shim dialled in through the shared directory
+    # The shim dialled in through the shared directory, which also holds the sandbox's /etc/hosts.
+    shim_mounts = {m["Destination"] for m in ran[0]["Mounts"] if m["Source"].startswith(f"{SOCKET}.shims/")}
+    assert shim_mounts == {"/officer/run", "/etc/hosts"}, ran[0]["Mounts"]
 
     # The socket is 0660, group sandboxd (sandboxd.socket): anyone else cannot even connect.
     assert machine.rpc(OUTSIDER, PING)[0]["connect_error"] == "EACCES"
