@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker image serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
+.PHONY: help setup docker gvisor test-gvisor image serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
@@ -12,6 +12,8 @@ help:
 	@echo "make typecheck  mypy over sandboxd/ (part of make test)"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
 	@echo "make image   build the runner image (no registry needed)"
+	@echo "make gvisor  (as root) install gVisor's runsc and register it with the engine, for sandbox.runtime: runsc"
+	@echo "make test-gvisor  the end-to-end set again with every sandbox under gVisor (after make gvisor)"
 	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension, and the MCP hosts' clients for the tests (clients/)"
 	@echo "make shim-deps  the shim's esbuild, for \`sandboxd run --backend process\` without Docker"
 	@echo "make install (as root) install the daemon as a systemd service; see docs/install.md"
@@ -29,6 +31,10 @@ setup: $(BIN)/sandboxd
 
 docker:
 	@bash scripts/ensure-docker.sh
+
+# Debian's runsc, registered with the engine as sandboxd needs it; the engine reloads (SIGHUP), never restarts.
+gvisor: docker
+	@bash scripts/ensure-gvisor.sh
 
 # build.sh says what it builds, and nothing when the image is up to date; its last stdout line is the tag.
 image: docker
@@ -52,6 +58,16 @@ typecheck: setup
 
 test-unit: setup shim-deps
 	$(BIN)/python -m pytest tests/unit
+
+# The e2e set under gVisor (E2E_SANDBOX_RUNTIME=runsc puts every test daemon's sandboxes on it): the
+# kernel check, the kill, the seed tools, calls with progress, cancel, kill and timeouts, the egress
+# proxy and the hostile catalogue. test_gvisor.py also runs in make test (skipped without runsc).
+GVISOR_E2E := tests/e2e/test_gvisor.py tests/e2e/test_kill.py tests/e2e/test_seed_tools.py \
+	tests/e2e/test_egress.py tests/e2e/test_hostile.py tests/e2e/test_daemon.py
+GVISOR_DAEMON_TESTS := progress or cancel or kill or timeout or hello_round_trip or transport or email_db or env_and_mounts
+test-gvisor: setup image gvisor
+	E2E_SANDBOX_RUNTIME=runsc E2E_REQUIRE_GVISOR=1 $(BIN)/python -m pytest $(GVISOR_E2E) \
+		-k "not test_daemon or $(GVISOR_DAEMON_TESTS)"
 
 test-shim:
 	node --test images/node/shim/test/*.test.js

@@ -155,7 +155,7 @@ class SandboxConfig(_Section):
     read_only_root: bool = Field(True, description="Mount the image's filesystem read-only.")
     user: str = Field("auto", pattern=r"^(auto|\d+:\d+)$",
                       description=f"uid:gid the tool runs as; auto = {AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}, an id with no account on the host.")
-    runtime: str | None = Field(None, description="OCI runtime, e.g. runsc for gVisor.")
+    runtime: str | None = Field(None, description="OCI runtime: runsc for gVisor (make gvisor registers it; docs/install.md, gVisor). Start-up stops when the engine lacks it or its flags.")
     cap_add: list[str] = Field(default_factory=list, description="Capabilities given back after dropping ALL.")
     no_new_privileges: bool = Field(True, description="Forbid gaining privileges through setuid binaries.")
     init: bool = Field(True, description="Run an init process as PID 1 that reaps zombies.")

@@ -41,7 +41,7 @@ from sandboxd.egress.relay import Relay
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host, parse_secret_hosts
 from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import EgressContext
-from sandboxd.service.peercred import peer_credentials
+from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 log = get_logger("sandboxd.egress")
 
@@ -259,8 +259,8 @@ class EgressSession:
     def connections(self) -> int:
         return len(self._connections)
 
-    async def serve(self, listener: socket.socket, uid: int) -> None:
-        """Accept the sandbox's connections on ``listener`` until cancelled; only ``uid`` may connect.
+    async def serve(self, listener: socket.socket, is_sandbox: Callable[[PeerCredentials], bool]) -> None:
+        """Accept the sandbox's connections on ``listener`` until cancelled; only the sandbox may connect.
 
         Past ``egress.connect_rate`` the next accept waits: the kernel's backlog holds what
         comes meanwhile, and then the sandbox's connects fail at once (EAGAIN), at no cost
@@ -278,7 +278,7 @@ class EgressSession:
                 await asyncio.sleep(1)
                 continue
             peer = peer_credentials(conn)
-            if peer.uid != uid:  # only the sandbox mounts the directory; anyone else is refused
+            if not is_sandbox(peer):  # only the sandbox mounts the directory; anyone else is refused
                 log.warning("egress_foreign_peer", sandbox=self.sandbox_id, pid=peer.pid, uid=peer.uid,
                             budget=source("sandbox", self.sandbox_id))
                 conn.close()

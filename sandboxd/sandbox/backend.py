@@ -19,6 +19,7 @@ from sandboxd.egress.browser_relay import RelayForCall
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
     from sandboxd.egress.secrets import StandIns
+    from sandboxd.service.peercred import PeerCredentials
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.transpile_cache import Esbuild
 
@@ -43,8 +44,8 @@ EgressContext = Callable[[], EgressCall]
 class EgressSession(Protocol):
     """One sandbox's way out (egress/proxy.py): it serves the sandbox's egress socket."""
 
-    async def serve(self, listener: socket.socket, uid: int) -> None:
-        """Accept and serve the connections made to ``listener`` by ``uid`` (the sandbox's) until cancelled."""
+    async def serve(self, listener: socket.socket, is_sandbox: Callable[[PeerCredentials], bool]) -> None:
+        """Accept and serve the connections made to ``listener`` by the sandbox (``is_sandbox``) until cancelled."""
         ...
 
     def close(self) -> None:

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import io
-import json
 import os
-import platform
-import re
 import secrets
 import shutil
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -32,20 +27,22 @@ from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import SandboxSpec, container_entry_path
 from sandboxd.sandbox.docker_attach import attach_socket, raw_socket
+from sandboxd.sandbox.docker_esbuild import extract_esbuild
+from sandboxd.sandbox.docker_runtime import is_gvisor, runtime_problem
 from sandboxd.sandbox.docker_sandbox import DockerSandbox
-from sandboxd.sandbox.docker_sockets import SandboxSockets
+from sandboxd.sandbox.docker_sockets import SandboxPeer, SandboxSockets
 from sandboxd.sandbox.docker_spec import (
     LABEL_INSTANCE,
     LABEL_MANAGED,
     LABEL_USER,
     container_spec,
-    esbuild_source_spec,
+    folder_groups,
     sandbox_uid,
 )
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL
 from sandboxd.tools.discovery import Tool
-from sandboxd.tools.transpile_cache import IMAGE_ESBUILD_BINARY, IMAGE_ESBUILD_PACKAGE, Esbuild
+from sandboxd.tools.transpile_cache import Esbuild
 from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")
@@ -53,7 +50,6 @@ log = get_logger("sandboxd.docker")
 # Docker drops traffic between two containers on a bridge with this option "false".
 ICC_OPTION = "com.docker.network.bridge.enable_icc"
 ATTACH_HINT = "set sandbox.transport: attach"
-_ARCHES = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}
 
 # Errors that mean "the engine is not there", as opposed to "it said no".
 _UNREACHABLE = (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError)
@@ -76,17 +72,6 @@ def shim_dir_problem(info: dict[str, Any], shim_dir: Path) -> str | None:
     return None
 
 
-def _archive_file(api: Any, container: str, path: str) -> bytes:
-    """One regular file out of a (created, never started) container."""
-    stream, _ = api.get_archive(container, path)
-    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as archive:
-        member = archive.next()
-        extracted = archive.extractfile(member) if member is not None and member.isfile() else None
-        if extracted is None:
-            raise OSError(f"{path} in the image is not a regular file")
-        return extracted.read()
-
-
 class DockerBackend:
     name = "docker"
 
@@ -101,7 +86,8 @@ class DockerBackend:
         self._shim_dir = shim_dir
         self._shim_dir_is_temporary = shim_dir is None
         self._shim_dir_ready = False
-        self._engine_checked = False  # shim_dir_problem found none on the engine that answered
+        self._engine_checked = False  # _engine_problem found none on the engine that answered
+        self._gvisor = False  # sandbox.runtime is gVisor's (as that engine has it registered)
         if shim_dir is not None and config.transport == "socket":
             self._prepare_shim_dir()  # an unsafe directory stops start-up (OSError), not every later call
         self._api: docker.APIClient | None = None
@@ -209,14 +195,14 @@ class DockerBackend:
         return self.config.transport  # for sandboxes started from now on (it may change on reload)
 
     async def start(self, spec: SandboxSpec) -> DockerSandbox:
+        if not self._engine_checked:
+            problem = await self._engine_problem()
+            if problem is not None:
+                raise BackendUnavailable(problem)
         sockets = None
         if self.config.transport == "socket":
-            if not self._engine_checked:
-                problem = await self._shim_transport_problem()
-                if problem is not None:
-                    raise BackendUnavailable(problem)
-            sockets = SandboxSockets(self.shim_dir(), self.instance, uid=sandbox_uid(self.config.user),
-                                     egress=spec.egress is not None)
+            peer = SandboxPeer(sandbox_uid(self.config.user), gvisor=self._gvisor)
+            sockets = SandboxSockets(self.shim_dir(), self.instance, peer, egress=spec.egress is not None)
         try:
             sandbox = await self._start(spec, sockets)
         except BaseException:
@@ -228,7 +214,7 @@ class DockerBackend:
                 sockets.close()
         if sockets is not None and sockets.egress is not None and spec.egress is not None:
             sandbox.sockets = sockets
-            sockets.serve_egress(spec.egress.session(spec.user, sandbox.id, sandbox.egress_context))
+            sockets.serve_egress(spec.egress.session(spec.user, sandbox.id, sandbox.egress_context), sandbox.container_id)
         return sandbox
 
     async def _start(self, spec: SandboxSpec, sockets: SandboxSockets | None) -> DockerSandbox:
@@ -281,26 +267,29 @@ class DockerBackend:
     async def esbuild(self, directory: Path) -> Esbuild | None:
         if self.config.transport != "socket":
             return None  # attach: the engine may be remote, and cannot be assumed to see the data path
-        return await self._run(self._extract_esbuild, directory)
+        return await self._run(lambda: extract_esbuild(self.api(), self.config.image, self.instance, directory))
 
     async def preflight(self) -> None:
-        if self.config.transport != "socket":
+        if self.config.transport != "socket" and self.config.runtime is None:
             return
         try:
-            problem = await self._shim_transport_problem()
+            problem = await self._engine_problem()
         except BackendUnavailable:
             return  # the engine is away: checked before the first sandbox starts instead
         if problem is not None:
             raise ConfigError(problem)
 
-    async def _shim_transport_problem(self) -> str | None:
-        """Why the engine cannot see the shim sockets' directory, or None (then not asked again).
-        Raises BackendUnavailable when the engine does not answer."""
+    async def _engine_problem(self) -> str | None:
+        """Why the engine cannot see the shim sockets' directory or run sandbox.runtime, or None
+        (then not asked again). Raises BackendUnavailable when the engine does not answer."""
         engine = engine_url(self.config)
-        if not engine.startswith("unix://"):
+        socket_transport = self.config.transport == "socket"
+        if socket_transport and not engine.startswith("unix://"):
             return f"the Docker engine at {engine} is remote and cannot see {self.shim_dir()}; {ATTACH_HINT}"
         info = await self._run(lambda: self.api().info())
-        problem = shim_dir_problem(info, self.shim_dir())
+        problem = shim_dir_problem(info, self.shim_dir()) if socket_transport else None
+        problem = problem or runtime_problem(info, self.config.runtime, local=engine.startswith("unix://"))
+        self._gvisor = is_gvisor(info, self.config.runtime)
         self._engine_checked = problem is None
         return problem
 
@@ -343,7 +332,9 @@ class DockerBackend:
             raise BackendUnavailable(f"cannot prepare the sandbox's folders for {spec.user}: {exc}") from None
         for warning in warnings:
             log.warning("sandbox_mount_access", user=spec.user, problem=warning)
-        made = container_spec(self.config, spec, instance=self.instance, binds=binds, shim_dir=shim_dir,
+        groups = folder_groups(binds, lambda path: os.stat(path, follow_symlinks=False).st_gid) if self._gvisor else ()
+        made = container_spec(self.config, spec, instance=self.instance, binds=binds, shim_dir=shim_dir, gvisor=self._gvisor,
+                              groups=groups,
                               name=f"sandboxd-{self.instance[:8]}-{secrets.token_hex(4)}", network=self._network())
         api = self.api()
         try:
@@ -358,28 +349,6 @@ class DockerBackend:
                 ) from None
             raise
         return str(container["Id"])
-
-    def _extract_esbuild(self, directory: Path) -> Esbuild:
-        """The image's own esbuild binary, copied to ``directory`` once per version (blocking)."""
-        arch = _ARCHES.get(platform.machine().lower())
-        if arch is None:
-            raise OSError(f"no esbuild binary for this machine ({platform.machine()})")
-        api = self.api()
-        container = api.create_container(**esbuild_source_spec(self.config.image, self.instance))["Id"]
-        try:
-            version = json.loads(_archive_file(api, container, IMAGE_ESBUILD_PACKAGE))["version"]
-            if not isinstance(version, str) or not re.fullmatch(r"[0-9A-Za-z.+-]+", version):
-                raise OSError(f"the image's esbuild has an odd version: {version!r}")
-            binary = directory / f"esbuild-{version}-{arch}"
-            if not binary.exists():
-                directory.mkdir(parents=True, exist_ok=True)
-                temporary = directory / f".{binary.name}.{os.getpid()}"
-                temporary.write_bytes(_archive_file(api, container, IMAGE_ESBUILD_BINARY.format(arch=arch)))
-                temporary.chmod(0o755)
-                os.replace(temporary, binary)
-        finally:
-            api.remove_container(container, force=True)
-        return Esbuild(binary, version)
 
     def _network(self) -> str:
         """The network a new sandbox joins: none by default; the daemon's bridge is made on first use.
@@ -414,10 +383,34 @@ class DockerBackend:
         return name
 
     def _remove(self, container_id: str) -> None:
+        api = self.api()
+        if not self._gvisor:  # runsc cannot update a container; its processes are the sentry's, killed at once
+            try:
+                self._lift_cpu_quota(container_id)
+            except docker.errors.NotFound:
+                return
         try:
-            self.api().remove_container(container_id, force=True, v=True)
+            api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:
             pass
+
+    def _lift_cpu_quota(self, container_id: str) -> None:
+        """Let a condemned sandbox's processes run unthrottled, so that they die at once.
+
+        Thousands of processes (a fork bomb under a large pids_limit) held to a fraction of a
+        CPU each get too little time to act on SIGKILL: `docker kill` waited minutes for the
+        exit (cgroup v1). With the quota lifted they die within a second or two. Freezing the
+        cgroup first does not help: a throttled task reaches the freezer no sooner (measured,
+        docs/performance.md). Without the lift the kill still comes, just late: logged.
+        """
+        try:
+            self.api().update_container(container_id, cpu_quota=-1)
+        except docker.errors.NotFound:
+            raise
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: not running, nothing left to throttle
+                log.warning("sandbox_cpu_quota_not_lifted", container=container_id[:12], error=str(exc),
+                            consequence="its kill may wait for throttled processes")
 
     async def _remove_quiet(self, container_id: str) -> None:
         """Remove a container; if the engine cannot do it now, remember it for later."""

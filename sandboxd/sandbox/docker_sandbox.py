@@ -81,7 +81,7 @@ class DockerSandbox(ShimSandbox):
 
     async def connect_shim(self, sockets: SandboxSockets) -> None:
         """Wait for the shim's one connection, or for the sandbox to end first."""
-        accept = asyncio.ensure_future(sockets.accept())
+        accept = asyncio.ensure_future(sockets.accept(self.container_id))
         try:
             either: set[asyncio.Future[Any]] = {accept, self.channel.ready}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

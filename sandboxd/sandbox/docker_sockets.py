@@ -2,9 +2,10 @@
 
 The parent directory is the daemon's own (0700), so on the host only root and the daemon's
 user can reach them. ``shim.sock``: the shim connects once, before any tool code runs, and
-the listener is gone after that one connection, which must come from the sandbox's uid
-(SO_PEERCRED), or the start fails. ``egress.sock`` (when the sandbox has a way out) stays
-for the sandbox's life, served by its proxy session (egress/proxy.py).
+the listener is gone after that one connection, which must come from the sandbox itself
+(``SandboxPeer``), or the start fails. ``egress.sock`` (when the sandbox has a way out)
+stays for the sandbox's life, served by its proxy session (egress/proxy.py), which admits
+only the same peer.
 """
 
 from __future__ import annotations
@@ -14,17 +15,55 @@ import os
 import secrets
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import EgressSession
 from sandboxd.sandbox.docker_spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBACK_HOSTS, SHIM_SOCKET_NAME
-from sandboxd.service.peercred import peer_credentials
+from sandboxd.service.peercred import PeerCredentials, peer_credentials
+
+
+def in_container_cgroup(pid: int, container_id: str) -> bool:
+    """Whether process ``pid`` of this host is in the cgroup of container ``container_id``
+    (cgroupfs: .../docker/<id>; the systemd driver: .../docker-<id>.scope), in any hierarchy."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as lines:
+            paths = [line.rstrip("\n").split(":", 2)[2] for line in lines if line.count(":") >= 2]
+    except OSError:  # gone already
+        return False
+    return any(path.rsplit("/", 1)[-1] in (container_id, f"docker-{container_id}.scope") for path in paths)
+
+
+@dataclass(frozen=True)
+class SandboxPeer:
+    """How the daemon knows that a connection to a sandbox's socket comes from that sandbox.
+
+    runc: the kernel's record of the connecting process (SO_PEERCRED) carries the sandbox's
+    uid, which no process of the host has (the directory is not even reachable by others).
+    gVisor: the sandbox's own kernel makes the connection on the host through runsc's gofer,
+    a root process of the host; it is that container's if it lives in the container's cgroup,
+    where only the engine puts processes. Under runc the uid check alone applies, as before.
+    """
+
+    uid: int
+    gvisor: bool = False
+
+    def problem(self, peer: PeerCredentials, container_id: str) -> str | None:
+        """Why ``peer`` is not the sandbox of ``container_id``, or None."""
+        if self.gvisor:
+            if peer.uid == 0 and in_container_cgroup(peer.pid, container_id):
+                return None
+            return (f"pid {peer.pid}, uid {peer.uid}, is not runsc's process of the sandbox's container "
+                    f"{container_id[:12]} (gVisor)")
+        if peer.uid == self.uid:
+            return None
+        return f"pid {peer.pid}, uid {peer.uid}; the sandbox runs as {self.uid}"
 
 
 class SandboxSockets:
-    def __init__(self, parent: Path, instance: str, uid: int, *, egress: bool = False) -> None:
-        self.uid = uid
+    def __init__(self, parent: Path, instance: str, peer: SandboxPeer, *, egress: bool = False) -> None:
+        self.peer = peer
         self.dir = parent / f"{instance[:12]}-{secrets.token_hex(6)}"
         self.dir.mkdir(mode=0o755)
         os.chmod(self.dir, 0o755)  # the sandbox's user must traverse it (umask aside)
@@ -60,24 +99,25 @@ class SandboxSockets:
             raise
         return sock
 
-    async def accept(self) -> socket.socket:
+    async def accept(self, container_id: str) -> socket.socket:
         """The shim's one connection; BackendUnavailable when another process made it."""
         assert self.sock is not None
         conn, _ = await asyncio.get_running_loop().sock_accept(self.sock)
-        peer = peer_credentials(conn)
-        if peer.uid != self.uid:
+        problem = self.peer.problem(peer_credentials(conn), container_id)
+        if problem is not None:
             conn.close()
             raise BackendUnavailable(
-                f"a process that is not the sandbox's shim (pid {peer.pid}, uid {peer.uid}; the sandbox runs as "
-                f"{self.uid}) connected to its socket {self.dir / SHIM_SOCKET_NAME}; the sandbox was not used"
+                f"a process that is not the sandbox's shim ({problem}) connected to its socket "
+                f"{self.dir / SHIM_SOCKET_NAME}; the sandbox was not used"
             )
         return conn
 
-    def serve_egress(self, session: EgressSession) -> None:
+    def serve_egress(self, session: EgressSession, container_id: str) -> None:
         """Hand each connection to ``egress.sock`` to the proxy's session for this sandbox, until ``remove``."""
         assert self.egress is not None
         self._egress_session = session
-        self._egress_accept = asyncio.get_running_loop().create_task(session.serve(self.egress, self.uid))
+        self._egress_accept = asyncio.get_running_loop().create_task(
+            session.serve(self.egress, lambda peer: self.peer.problem(peer, container_id) is None))
 
     def close(self) -> None:
         """Stop listening for the shim and remove its socket (the sandbox keeps its open connection);

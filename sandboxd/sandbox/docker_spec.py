@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from docker.types import LogConfig, Mount, Ulimit
 
@@ -38,6 +38,12 @@ EGRESS_SOCKET_NAME = "egress.sock"
 # resolve in a sandbox: tools reach the browser relay at localhost:PORT as at 127.0.0.1:PORT.
 HOSTS_NAME = "hosts"
 LOOPBACK_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+CPU_PERIOD_US = 100_000  # the kernel's default CFS period
+# Under gVisor the pids limit counts host threads: the Sentry's and the gofer's own (about 40
+# idle, measured), and, on the ptrace platform, one per thread of the sandbox. Without room for
+# them a sandbox reached its limit long before its tools did, and the Sentry then died on its
+# next clone (exit code 2, "error initializing first thread: resource temporarily unavailable").
+GVISOR_PIDS_HEADROOM = 64
 
 
 def sandbox_user(setting: str) -> str:
@@ -66,13 +72,16 @@ class ContainerSpec:
 
 
 def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, name: str, binds: list[Bind],
-                   shim_dir: Path | None, network: str) -> ContainerSpec:
+                   shim_dir: Path | None, network: str, gvisor: bool = False,
+                   groups: tuple[int, ...] = ()) -> ContainerSpec:
     """The hardened container of one sandbox.
 
     ``binds``: the user's folders as sandbox/mounts.py checked them; ``shim_dir``: the
     sandbox's socket directory (socket transport), None in attach mode, where the protocol
     runs over stdin/stdout; ``network``: the network it joins (none unless egress is
-    configured to go through the daemon's bridge).
+    configured to go through the daemon's bridge); ``gvisor``: the runtime is gVisor's;
+    ``groups``: supplementary groups of the sandbox's processes (gVisor only: the owning
+    groups of its folders, see ``folder_groups``).
     """
     mounts = [Mount(bind.target, bind.source, type="bind", read_only=bind.read_only) for bind in binds]
     mounts += [Mount(target, str(source), type="bind", read_only=True) for source, target in spec.read_only_mounts]
@@ -97,13 +106,17 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         security_opt=["no-new-privileges"] if config.no_new_privileges else None,
         mem_limit=config.memory,
         memswap_limit=config.memory,  # no swap: the limit is the limit
-        nano_cpus=int(config.cpus * 1e9),
-        pids_limit=config.pids_limit,
+        # The CFS quota itself rather than nano_cpus (the same limit), because only a quota can be
+        # lifted on a running container: a condemned sandbox's is, before the kill (docker_backend.py).
+        cpu_period=CPU_PERIOD_US,
+        cpu_quota=int(config.cpus * CPU_PERIOD_US),
+        pids_limit=config.pids_limit + (GVISOR_PIDS_HEADROOM if gvisor else 0),
         ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="nofile", soft=4096, hard=4096)],
         init=config.init,
         network_mode=network,
         runtime=config.runtime,
         ipc_mode="private",
+        group_add=[str(gid) for gid in groups] or None,
         # Tool output is read over attach; a json-file log would let a flood fill the disk.
         log_config=LogConfig(type=LogConfig.types.NONE),
     )
@@ -125,3 +138,15 @@ def esbuild_source_spec(image: str, instance: str) -> dict[str, Any]:
     """``create_container``'s arguments for the container the image's esbuild is copied out of:
     created, never started (nothing of the image runs), labelled so a crash leaves no orphan."""
     return dict(image=image, command=["true"], entrypoint=[], labels=owned_labels(instance), network_disabled=True)
+
+
+def folder_groups(binds: list[Bind], gid_of: Callable[[str], int]) -> tuple[int, ...]:
+    """The groups a gVisor sandbox joins so that it can use its folders.
+
+    sandbox/mounts.py gives the sandbox uid access to its folders with POSIX ACLs, which
+    gVisor's kernel does not read: it checks the mode bits alone, where an ACL's mask
+    shows as the group's bits. Joining each folder's owning group gives the sandbox, under
+    gVisor, the access its ACL entry gives it under runc, on its own mounts only (nothing
+    else of the host is in its mount namespace). ``gid_of``: a folder's owning group.
+    """
+    return tuple(sorted({gid_of(bind.source) for bind in binds}))

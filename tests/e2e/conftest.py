@@ -62,6 +62,22 @@ def write_tool(root: Path, name: str, source: str, *, inputs: str = "", version:
     return tool
 
 
+RUNTIME = os.environ.get("E2E_SANDBOX_RUNTIME", "")
+GVISOR = RUNTIME == "runsc"
+# A write into a read-only mount: EROFS from the host's kernel; gVisor's checks the folder's
+# permissions first (the sandbox is not its owner), so the same refusal says EACCES (EPERM for chmod).
+READ_ONLY_REFUSALS = ("EROFS", "EACCES", "EPERM") if GVISOR else ("EROFS",)
+
+
+def gvisor_registered() -> str | None:
+    """Why the engine cannot run sandboxes under gVisor as sandboxd needs it, or None."""
+    import docker
+
+    from sandboxd.sandbox.docker_runtime import runtime_problem
+
+    return runtime_problem(docker.APIClient(version="auto").info(), "runsc", local=True)
+
+
 def _loopback_only_tools() -> None:
     for tool, package in (("unshare", "util-linux"), ("ip", "iproute2")):
         if shutil.which(tool) is None:
@@ -95,7 +111,9 @@ class Daemon:
         # tests/netguard/sitecustomize.py: the daemon may connect to loopback only, whatever its policy says.
         guard = str(Path(__file__).parent.parent / "netguard")
         pythonpath = os.pathsep.join(p for p in (guard, inherited.get("PYTHONPATH", "")) if p)
-        self.env = {**inherited, "PYTHONPATH": pythonpath, **(env or {})}
+        # E2E_SANDBOX_RUNTIME=runsc: the whole run under gVisor (make test-gvisor); a test's env still wins.
+        runtime = {"SANDBOXD_SANDBOX_RUNTIME": RUNTIME} if RUNTIME else {}
+        self.env = {**inherited, "PYTHONPATH": pythonpath, **runtime, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         shutil.copytree(TOOL_FIXTURES, self.data / "tools", dirs_exist_ok=True)
 

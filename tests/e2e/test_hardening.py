@@ -52,7 +52,7 @@ def test_limits(inspected: dict[str, Any]) -> None:
     host = inspected["HostConfig"]
     assert host["Memory"] == 200 << 20
     assert host["MemorySwap"] == host["Memory"]  # no swap: the limit is the limit
-    assert host["NanoCpus"] == 500_000_000
+    assert (host["CpuPeriod"], host["CpuQuota"]) == (100_000, 50_000)  # half a CPU
     assert host["PidsLimit"] == 77
     assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {("core", 0, 0), ("nofile", 4096, 4096)}
 

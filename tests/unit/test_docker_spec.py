@@ -46,7 +46,7 @@ def test_the_default_container_is_hardened_flag_by_flag(tmp_path: Path) -> None:
     assert host["security_opt"] == ["no-new-privileges"]
     assert host["read_only"] is True
     assert host["mem_limit"] == host["memswap_limit"] == "256m"  # no swap
-    assert host["nano_cpus"] == 1_000_000_000
+    assert (host["cpu_period"], host["cpu_quota"]) == (100_000, 100_000)  # one CPU
     assert host["pids_limit"] == 128
     assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["ulimits"]} == {("core", 0, 0), ("nofile", 4096, 4096)}
     assert host["init"] is True
@@ -70,8 +70,8 @@ def test_settings_reach_their_flags(tmp_path: Path) -> None:
     made = make(tmp_path, memory="96m", cpus=0.25, pids_limit=4096, runtime="runsc", read_only_root=False,
                 no_new_privileges=False, cap_add=["NET_RAW"], user="1000:1000", init=False, tmp_size="8m")
     host, container = made.host_config, made.container
-    assert (host["mem_limit"], host["memswap_limit"], host["nano_cpus"], host["pids_limit"]) == ("96m", "96m",
-                                                                                                 250_000_000, 4096)
+    assert (host["mem_limit"], host["memswap_limit"], host["cpu_quota"], host["pids_limit"]) == ("96m", "96m",
+                                                                                                 25_000, 4096)
     assert host["runtime"] == "runsc" and host["read_only"] is False and host["security_opt"] is None
     assert host["cap_add"] == ["NET_RAW"] and host["init"] is False
     assert host["tmpfs"]["/tmp"].endswith("size=8m")
@@ -132,3 +132,20 @@ def test_attach_frames_survive_reads_cut_anywhere(cut: int) -> None:
     for offset in range(0, len(stream), cut):
         got += frames.feed(stream[offset:offset + cut])
     assert got == [(STDOUT, b"ready\n"), (2, b"a tool's line"), (STDOUT, b""), (2, b"x" * 20)]
+
+
+def test_only_a_gvisor_sandbox_joins_its_folders_groups(tmp_path: Path) -> None:
+    from sandboxd.sandbox.docker_spec import folder_groups
+
+    binds = [Bind("/officer/user", "/data/a", read_only=False), Bind("/officer/tools", "/data/tools", read_only=True),
+             Bind("/officer/data", "/mail/a", read_only=False)]
+    groups = folder_groups(binds, {"/data/a": 997, "/data/tools": 997, "/mail/a": 1001}.__getitem__)
+    assert groups == (997, 1001)
+    assert make(tmp_path).host_config["group_add"] is None  # runc: the ACLs do it, no group is joined
+    spec = SandboxSpec(user="a@example.com", tools_dir=tmp_path, user_dir=tmp_path, user_tools_dir=tmp_path,
+                       email_db=None)
+    made = container_spec(SandboxConfig(runtime="runsc"), spec, instance="i", name="n", binds=binds, shim_dir=None,
+                          network="none", gvisor=True, groups=groups)
+    assert made.host_config["group_add"] == ["997", "1001"]
+    # The Sentry's and the gofer's own threads count against the pids limit under gVisor.
+    assert made.host_config["pids_limit"] == 128 + 64

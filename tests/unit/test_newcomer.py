@@ -287,3 +287,16 @@ def spec(tmp_path: Path) -> SandboxSpec:
     data = tmp_path / "data"
     return SandboxSpec(user="alice@example.com", tools_dir=data / "tools", user_dir=data / "alice@example.com",
                        user_tools_dir=data / "alice@example.com" / "tools", email_db=data / "email.db", root=data)
+
+
+def test_preflight_stops_start_up_when_runsc_is_missing_or_registered_without_its_flags(tmp_path: Path) -> None:
+    missing = docker_backend(tmp_path / "a", {**ROOTFUL_INFO, "Runtimes": {"runc": {"path": "runc"}}}, runtime="runsc")
+    with pytest.raises(ConfigError, match=r"sandbox.runtime is 'runsc', which the Docker engine does not know; "
+                                          r"run `sudo make gvisor`"):
+        asyncio.run(missing.preflight())
+    bare = {"runsc": {"path": "/usr/bin/runsc", "runtimeArgs": ["--platform=ptrace"]}}
+    for transport in ("socket", "attach"):
+        flagless = docker_backend(tmp_path / transport, {**ROOTFUL_INFO, "Runtimes": bare}, runtime="runsc",
+                                  transport=transport)
+        with pytest.raises(ConfigError, match=r"registered without --network=none --host-uds=open"):
+            asyncio.run(flagless.preflight())

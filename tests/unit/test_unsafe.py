@@ -274,32 +274,60 @@ def test_allow_unsafe_changes_live_with_the_sandbox_settings_it_accepts() -> Non
 def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -> None:
     import asyncio
 
-    from sandboxd.sandbox.docker_sockets import SandboxSockets
+    from sandboxd.sandbox.docker_sockets import SandboxPeer, SandboxSockets
     from sandboxd.sandbox.docker_spec import SHIM_SOCKET_NAME
 
     async def connect_to(listener: SandboxSockets) -> socket.socket:
         client = socket.socket(socket.AF_UNIX)
         client.connect(str(listener.dir / SHIM_SOCKET_NAME))
         try:
-            return await asyncio.wait_for(listener.accept(), 10)
+            return await asyncio.wait_for(listener.accept("0123456789ab" * 5), 10)
         finally:
             client.close()
 
     async def scenario() -> None:
-        stranger = SandboxSockets(tmp_path, "test", uid=NO_ACCOUNT_UID)  # we are not the sandbox's uid
+        stranger = SandboxSockets(tmp_path, "test", SandboxPeer(NO_ACCOUNT_UID))  # we are not the sandbox's uid
         try:
             with pytest.raises(BackendUnavailable, match=rf"not the sandbox's shim \(pid {os.getpid()}, uid "
                                                          rf"{os.geteuid()}; the sandbox runs as {NO_ACCOUNT_UID}\)"):
                 await connect_to(stranger)
         finally:
             stranger.close()
-        own = SandboxSockets(tmp_path, "test", uid=os.geteuid())
+        # gVisor: a host process outside the container's cgroup is refused, whatever its uid.
+        foreign = SandboxSockets(tmp_path, "test", SandboxPeer(os.geteuid(), gvisor=True))
+        try:
+            with pytest.raises(BackendUnavailable, match=rf"not the sandbox's shim \(pid {os.getpid()}, uid "
+                                                         rf"{os.geteuid()}, is not runsc's process of the sandbox's "
+                                                         r"container 0123456789ab \(gVisor\)\)"):
+                await connect_to(foreign)
+        finally:
+            foreign.close()
+        own = SandboxSockets(tmp_path, "test", SandboxPeer(os.geteuid()))
         try:
             (await connect_to(own)).close()
         finally:
             own.close()
 
     asyncio.run(scenario())
+
+
+def test_under_gvisor_the_peer_is_known_by_its_container_s_cgroup_and_under_runc_by_its_uid() -> None:
+    from sandboxd.sandbox.docker_sockets import SandboxPeer, in_container_cgroup
+    from sandboxd.service.peercred import PeerCredentials
+
+    with open("/proc/self/cgroup") as lines:
+        own = [line.strip().split(":", 2)[2].rsplit("/", 1)[-1] for line in lines]
+    leaf = next((name for name in own if name), None)
+    if leaf is None:
+        pytest.skip("this process is in no named cgroup")
+    assert in_container_cgroup(os.getpid(), leaf)
+    assert not in_container_cgroup(os.getpid(), "0123456789ab" * 5)
+    assert not in_container_cgroup(2 ** 22 + 1, leaf)  # no such process
+    root = PeerCredentials(os.getpid(), 0, 0)
+    assert SandboxPeer(NO_ACCOUNT_UID, gvisor=True).problem(root, leaf) is None
+    assert SandboxPeer(NO_ACCOUNT_UID, gvisor=True).problem(PeerCredentials(os.getpid(), 1000, 0), leaf) is not None
+    assert SandboxPeer(NO_ACCOUNT_UID).problem(root, leaf) is not None  # runc: the uid check, as before
+    assert SandboxPeer(NO_ACCOUNT_UID).problem(PeerCredentials(1, NO_ACCOUNT_UID, 0), leaf) is None
 
 
 # --- why a sandbox ended ---------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""A kill that always lands: a condemned sandbox is gone within seconds, whatever its processes do.
+
+Seen before the fix (cgroup v1, this project's kind of machine): a fork bomb under a large
+pids limit (4096) and a quarter of a CPU ignored `docker kill` for minutes ("did not receive an
+exit event"): thousands of throttled processes never got the CPU time to die. The backend now
+lifts a condemned sandbox's CPU quota before the kill (docker_backend.py, _lift_cpu_quota).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import RUNTIME, write_tool
+from tests.e2e.hostile_harness import host_processes, wait_until
+
+pytestmark = pytest.mark.docker
+
+A, B = "alice@example.com", "bob@example.com"
+CONFIG = "sandbox:\n  pids_limit: 4096\n  cpus: 0.25\npool:\n  min_idle: 0\n"
+GONE_WITHIN_S = 15
+BOMBING_S = 30  # the call's timeout: the bomb spreads meanwhile, then the timeout condemns the sandbox
+ENOUGH = 500  # processes of the bomb on the host, at least, for the test to mean something
+BOMB = """
+import { spawn } from "node:child_process";
+export async function execute(_id: string, params: { marker: string }) {
+  // The marker rides in every forked shell's command line, so the host can count them.
+  spawn("/bin/sh", ["-c", `b() { b | b & }; b # ${params.marker}`], { detached: true, stdio: "ignore" }).unref();
+  await new Promise(() => {});  // never answers: the call's timeout condemns the sandbox
+}
+"""
+
+
+def test_a_fork_bombed_sandbox_is_gone_within_seconds_of_being_condemned(make_daemon: Any, docker_api: Any) -> None:
+    daemon = make_daemon(CONFIG, start=False)
+    write_tool(daemon.data / "tools", "bomber", BOMB,
+               inputs="  marker:\n    type: string\n    description: Marks its processes.\n")
+    daemon.start()
+    marker = f"bomb{uuid.uuid4().hex[:12]}"
+    answers: list[dict[str, Any]] = []
+
+    def bomb() -> None:
+        with daemon.client(timeout=120) as client:
+            answers.append(client.call_tool(A, "bomber", {"marker": marker}, timeoutMs=BOMBING_S * 1000))
+
+    caller = threading.Thread(target=bomb)
+    caller.start()
+    most = 0
+    while caller.is_alive():
+        most = max(most, len(host_processes(marker)))
+        caller.join(0.5)
+    condemned = time.monotonic()
+    # gVisor: the bomb's processes are the Sentry's, in the sandbox's memory: it may run out of
+    # memory first (crashed) and be condemned for that instead.
+    assert answers and answers[0]["status"] in (("timeout", "crashed") if RUNTIME == "runsc" else ("timeout",)), answers
+    if RUNTIME != "runsc":  # gVisor's processes live inside its kernel: the host sees none of them
+        assert most >= ENOUGH, f"the bomb did not go off ({most} processes): the test proves nothing"
+    with daemon.client(timeout=60) as client:  # another user is served while the bombed sandbox goes
+        served = client.call_tool(B, "hello", {"name": B})
+    assert served["status"] == "ok", served
+    assert time.monotonic() - condemned < GONE_WITHIN_S, "the other user waited behind the kill"
+    wait_until(lambda: not daemon.containers(docker_api, **{"org.sandboxd.user": A}),
+               GONE_WITHIN_S - (time.monotonic() - condemned), f"the bombed sandbox gone within {GONE_WITHIN_S} s")
+    gone_s = time.monotonic() - condemned
+    left = host_processes(marker)
+    assert not left, f"{len(left)} of the bomb's processes outlived its sandbox"
+    print(f"\nthe bomb peaked at {most} processes on the host; its sandbox gone {gone_s:.1f} s after it was "
+          f"condemned ({RUNTIME or 'runc'})")
