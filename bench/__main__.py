@@ -30,11 +30,12 @@ from bench.daemon import REPO
 from bench.load import throughput
 from bench.egress_tls import secrets_over_https
 from bench.neighbours import noisy_neighbours
+from bench.runtimes import compare_runtimes
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -319,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"egress.secrets over HTTPS: {requests} requests in absolute form (the proxy's TLS) and "
                 f"{requests} through CONNECT tunnels, alternating")
             results["https"] = secrets_over_https(root / "https", run_id, args.image, requests)
+        if "gvisor" not in args.skip:
+            say("gVisor (runsc) beside runc: warm and cold calls, idle memory")
+            results["runtimes"] = compare_runtimes(api, root / "runtimes", run_id, args.image,
+                                                   calls=min(args.calls, 2000), samples=args.samples, say=say)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

@@ -209,6 +209,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         out.append((f"… daemon memory at {n} users (VmRSS, {row['sandboxes']} sandboxes)", f"{row['daemon_rss_mb']:.1f} MB",
                     f"with one user {alone.get('daemon_rss_mb', 0):.1f} MB", "", "", "—"))
     out += _neighbour_rows(r.get("neighbours", {}))
+    out += _runtime_rows(r)
     out += _https_rows(r.get("https", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
@@ -218,6 +219,27 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         tp = over["throughput"]
         out.append((f"sandboxd alone (fake backend): throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"daemon CPU {tp['cpu']['daemon_cpu_us_per_call']:.0f} µs/call", "", "", "—"))
+    return out
+
+
+def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """The report's rows: gVisor's figure beside runc's."""
+    both = r.get("runtimes", {})
+    runc, runsc = both.get("runc", {}), both.get("runsc", {})
+    if not runc or not runsc:
+        return []
+    if "skipped" in runsc:
+        return [("gVisor (runsc) beside runc", "skipped", runsc["skipped"], "", "", "—")]
+    out = []
+    for key, what in (("warm", "a warm call"), ("cold", "a new user's first call (a sandbox starts)")):
+        for q in ("p50", "p99"):
+            mine, base = runsc.get(key, {}).get(f"{q}_ms"), runc.get(key, {}).get(f"{q}_ms")
+            out.append((f"gVisor (runsc, ptrace): {what}, {q}", _ms(mine), f"runc {_ms(base)}", _x(ratio(mine, base)),
+                        "", "—"))
+    mine, base = runsc.get("idle_memory", {}).get("median_mb"), runc.get("idle_memory", {}).get("median_mb")
+    if mine is not None and base is not None:
+        out.append(("gVisor (runsc, ptrace): an idle sandbox's memory (its cgroup), median", f"{mine:.1f} MB",
+                    f"runc {base:.1f} MB", _x(ratio(mine, base)), "", "—"))
     return out
 
 
