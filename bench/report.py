@@ -226,10 +226,10 @@ def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]
     """The report's rows: gVisor's figure beside runc's."""
     both = r.get("runtimes", {})
     runc, runsc = both.get("runc", {}), both.get("runsc", {})
-    if not runc or not runsc:
-        return []
     if "skipped" in runsc:
         return [("gVisor (runsc) beside runc", "skipped", runsc["skipped"], "", "", "—")]
+    if not runc or not runsc:
+        return []
     out = []
     for key, what in (("warm", "a warm call"), ("cold", "a new user's first call (a sandbox starts)")):
         for q in ("p50", "p99"):
