@@ -38,7 +38,7 @@ _secrets: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("sandb
 def secret_values(values: Iterable[Any]) -> Iterator[frozenset[str]]:
     """Mask these values in every event logged by this task (and tasks it starts) until exit;
     yields those masked (long enough to be told from ordinary words) for ``masking`` elsewhere."""
-    found = frozenset(str(v) for v in values if v is not None and len(str(v)) >= _MIN_SECRET_LENGTH)
+    found = frozenset({str(v) for v in values if v is not None and len(str(v)) >= _MIN_SECRET_LENGTH})
     token = _secrets.set(_secrets.get() | found)
     try:
         yield found

@@ -36,7 +36,7 @@ import collections
 import enum
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sandboxd.config import PoolConfig
@@ -59,8 +59,11 @@ class State(enum.Enum):
     STOPPING = "stopping"  # being destroyed; still counts against the limits
 
 
+# The states by plain names, for every call's path (acquire, release): looking a member up on
+# its enum costs ~0.2 µs in Python 3.11, a module name a tenth of that.
+STARTING, IDLE, BUSY, STOPPING = State.STARTING, State.IDLE, State.BUSY, State.STOPPING
 # The states in which a sandbox is held for a call: busy, or starting for one (a spare's start counts too).
-HELD = (State.BUSY, State.STARTING)
+HELD = (BUSY, STARTING)
 
 
 @dataclass(eq=False)
@@ -89,11 +92,15 @@ class Waiter:
     future: asyncio.Future[PooledSandbox]
 
 
-@dataclass
 class Plan:
-    start: list[PooledSandbox] = field(default_factory=list)
-    destroy: list[PooledSandbox] = field(default_factory=list)
-    handed: PooledSandbox | None = None  # what the arriving caller of a one-user plan took
+    """What a plan decided for ``_apply`` to do (a plain class: one is made twice per call)."""
+
+    __slots__ = ("start", "destroy", "handed")
+
+    def __init__(self) -> None:
+        self.start: list[PooledSandbox] = []
+        self.destroy: list[PooledSandbox] = []
+        self.handed: PooledSandbox | None = None  # what the arriving caller of a one-user plan took
 
 
 class Pool:
@@ -181,7 +188,7 @@ class Pool:
         if counted:
             pooled.calls += 1
         self._last_call[pooled.user] = now
-        if pooled.state is State.BUSY and not pooled.call_ended and pooled in self._of_user.get(pooled.user, ()):
+        if pooled.state is BUSY and not pooled.call_ended and pooled in self._of_user.get(pooled.user, ()):
             alive = self._alive(pooled)
             if not reusable:
                 self.stats["killed" if alive else "crashed"] += 1
@@ -295,17 +302,15 @@ class Pool:
         #    call left spent, that belong to users gone quiet, or beyond min_idle past the TTL.
         idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
         held_total = 0  # of the sandboxes looked at: in all, or the one user's
-        ttl, last_call = cfg.idle_ttl_s, self._last_call
-        # Local names: this loop runs for every call's acquire and release, and looking up an enum member costs.
-        idle, busy, starting, stopping = State.IDLE, State.BUSY, State.STARTING, State.STOPPING
+        ttl, last_call, generation = cfg.idle_ttl_s, self._last_call, self._generation
         for pooled in list(self._sandboxes if user is None else self._of_user.get(user, ())):
             owner, state = pooled.user, pooled.state
-            if pooled.call_ended or (state is starting and pooled.sandbox is not None):
-                state = pooled.state = idle  # and judged as idle below
+            if pooled.call_ended or (state is STARTING and pooled.sandbox is not None):
+                state = pooled.state = IDLE  # and judged as idle below
                 pooled.since, pooled.call_ended = now, False
-            if state is busy:
+            if state is BUSY:
                 held_total += 1
-            elif state is starting:
+            elif state is STARTING:
                 if pooled.start_error is None:
                     held_total += 1
                     continue
@@ -315,16 +320,16 @@ class Pool:
                     self._waiters.remove(waiter)
                     if not waiter.future.done():
                         waiter.future.set_exception(pooled.start_error)
-            elif state is stopping:
+            elif state is STOPPING:
                 if pooled.removed:
                     self._forget(pooled)
             else:
                 alive = pooled.sandbox is not None and pooled.sandbox.alive
                 kept = idle_of.get(owner)
-                user_quiet = now - last_call.get(owner, 0.0) > ttl
-                surplus = (len(kept) if kept else 0) >= cfg.min_idle and now - pooled.since > ttl
-                retired = pooled.generation != self._generation
-                if pooled.spent or not alive or user_quiet or surplus or retired:
+                # Spent, dead, of old settings, its user gone quiet, or idle past the TTL beyond min_idle
+                # (cheapest tests first: this runs at every call's acquire and release).
+                if (pooled.spent or not alive or pooled.generation != generation or now - last_call.get(owner, 0.0) > ttl
+                        or now - pooled.since > ttl and (len(kept) if kept else 0) >= cfg.min_idle):
                     if not alive and not pooled.spent:  # died while idle (a spent one was counted)
                         self.stats["crashed"] += 1
                     plan.destroy.append(self._stopping(pooled, now))
@@ -449,7 +454,7 @@ class Pool:
         if now < self._backoff_until.get(user, 0.0):
             return
         cfg, ceiling = self.config, self._ceiling()
-        for _ in range(cfg.min_idle - self._count(user, State.IDLE, State.STARTING)):
+        for _ in range(cfg.min_idle - self._count(user, IDLE, STARTING)):
             if len(self._of_user.get(user, ())) >= cfg.max_per_user or len(self._sandboxes) >= ceiling:
                 break
             plan.start.append(self._new(user, now))
@@ -484,7 +489,7 @@ class Pool:
 
     @staticmethod
     def _hand_out(pooled: PooledSandbox, now: float) -> PooledSandbox:
-        pooled.state, pooled.since = State.BUSY, now
+        pooled.state, pooled.since = BUSY, now
         return pooled
 
     def _new(self, user: str, now: float) -> PooledSandbox:

@@ -256,7 +256,8 @@ class CallContext:
         self.phase = Phase.DONE
         for timer in self._timers:
             timer.cancel()
-        self._resume_sandbox()  # before it goes back to the pool: the next caller must find it reading
+        if self._sandbox_paused:  # resumed before it goes back to the pool: the next caller must find it reading
+            self._resume_sandbox()
 
 
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Mapping, Protocol, Union
+from typing import Any, Callable, Coroutine, Mapping, NamedTuple, Protocol, Union
 
 from sandboxd import strictjson
 from sandboxd.errors import InvalidParams, MethodNotFound, SandboxdError
@@ -45,8 +44,7 @@ class InFlight(Protocol):
 Result = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Later:
+class Later(NamedTuple):
     """A method's answer to come: ``work`` settles it (None: nothing is sent), ``request`` is what
     a cancel, the disconnect or back-pressure acts on meanwhile (None: nothing can be). Nothing of
     the request is in flight before ``work`` starts: a refused one is dropped unstarted."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import hashlib
 import os
 import signal
@@ -285,7 +286,7 @@ class Server:
 
     def methods(self, connection: Connection) -> Mapping[str, Method]:
         return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools,
-                "tools/call": lambda request_id, params: self.calls.start(request_id, params, connection.send),
+                "tools/call": functools.partial(self.calls.start, send=connection.send),
                 "tools/watch": lambda _id, params: Later(self.watch.watch(connection, connection.send, params)),
                 "sandbox/status": lambda _id, _params: self.status()}
 
