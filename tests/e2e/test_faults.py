@@ -99,13 +99,14 @@ def test_container_killed_from_outside_mid_call(daemon: Daemon, docker_api: Any)
         assert call(client, user, "hello", {"name": "again"})["status"] == "ok"
 
 
-def test_a_runtime_the_engine_does_not_know_is_32002(make_daemon: Any) -> None:
-    # sandbox.runtime: runsc without gVisor installed (docs/security.md): refused with the engine's words.
-    daemon = make_daemon("sandbox:\n  runtime: runsc-not-installed\n")
-    with daemon.client() as client:
-        with pytest.raises(RpcError) as refused:
-            call(client, BYSTANDER_A, "hello", {"name": "x"})
-    assert refused.value.code == -32002 and "runsc-not-installed" in refused.value.message
+def test_a_runtime_the_engine_does_not_know_stops_start_up_naming_the_fix(make_daemon: Any) -> None:
+    # sandbox.runtime: runsc without gVisor registered (docs/install.md, "gVisor"): start-up stops, naming the fix,
+    # instead of every call failing with the engine's words. Needs no runsc, so it lives here, not in test_gvisor.
+    daemon = make_daemon("sandbox:\n  runtime: runsc-not-registered\n", start=False,
+                         env={"SANDBOXD_SANDBOX_RUNTIME": "runsc-not-registered"})
+    with pytest.raises(AssertionError, match=r"sandbox.runtime is 'runsc-not-registered', which the Docker engine "
+                                             r"does not know; register it in the engine's daemon.json"):
+        daemon.start()
 
 
 # -- the engine restarts ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """gVisor (``sandbox.runtime: runsc``): a tool really runs on gVisor's kernel, the daemon knows
-its sandboxes' connections there, and a runtime it cannot use stops start-up.
+its sandboxes' connections there. (A runtime the engine does not know stops start-up: test_faults.py,
+which needs no runsc.)
 
 The rest of the e2e set runs under runsc too (``make test-gvisor``: E2E_SANDBOX_RUNTIME=runsc
 over the seed tools, progress, cancel and kill, the egress proxy and the hostile catalogue).
@@ -78,11 +79,3 @@ def test_the_shim_and_egress_sockets_serve_the_gvisor_sandbox(make_daemon: Any) 
     seen = json.loads(result["content"][0]["text"])
     assert "refused by sandboxd's egress policy: loopback address" in seen["answer"], seen  # the proxy answered
     assert not daemon.events("egress_foreign_peer")
-
-
-def test_a_runtime_the_engine_does_not_know_stops_start_up_naming_the_fix(make_daemon: Any) -> None:
-    daemon = make_daemon("sandbox:\n  runtime: runsc-not-registered\n", start=False,
-                         env={"SANDBOXD_SANDBOX_RUNTIME": "runsc-not-registered"})
-    with pytest.raises(AssertionError, match=r"sandbox.runtime is 'runsc-not-registered', which the Docker engine "
-                                             r"does not know; register it in the engine's daemon.json"):
-        daemon.start()
