@@ -238,6 +238,9 @@ class EgressConfig(_Section):
     # The host's way out is shared: 128 MiB/s (~1 Gbit/s) is eight sandboxes at their full rate.
     total_rate_bytes: int | None = Field(128 << 20, ge=1 << 16, description="Bytes per second all sandboxes together may move through the egress proxy; each sandbox moving data gets an equal share of it (at most rate_bytes); null = no daemon-wide cap.")
     connect_rate: float = Field(50.0, gt=0, description="New egress connections a second one sandbox may open (a second's worth at once); more wait in the kernel's queue of egress.sock, then fail at once in the sandbox.")
+    # A refusal is all cost (the daemon's answer is the only work done): a sandbox that is refused over
+    # and over gets a fifth of the accepts of one whose connections go somewhere.
+    refusal_cost: float = Field(5.0, ge=1, description="What an egress connection the proxy refuses (by the policy, as malformed, or over max_connections) spends of connect_rate, in connections: at 5, a sandbox refused every time opens 10 a second at the default rate, one whose connections pass 50.")
     secrets: dict[str, list[str]] = Field(default_factory=dict, description="Call env names whose values sandboxes never hold: NAME → the hosts the value belongs to (entries as egress.allow writes them). The sandbox gets a stand-in; the egress proxy puts the real value in the headers and query of requests to those hosts only.")
     ca_file: Path | None = Field(None, description="A PEM file of CA certificates the egress proxy trusts besides the host's own, when it makes the TLS connection to a secret's host itself.")
 

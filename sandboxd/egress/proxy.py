@@ -264,7 +264,8 @@ class EgressSession:
 
         Past ``egress.connect_rate`` the next accept waits: the kernel's backlog holds what
         comes meanwhile, and then the sandbox's connects fail at once (EAGAIN), at no cost
-        to the daemon, instead of being accepted and refused one by one."""
+        to the daemon, instead of being accepted and refused one by one. A refused connection
+        spends ``egress.refusal_cost`` of that rate (``_refused``)."""
         loop = asyncio.get_running_loop()
         while True:
             delay = self._accepts.take(self._proxy.config.connect_rate)
@@ -322,9 +323,11 @@ class EgressSession:
                 head, early = await _read_head(conn)
         except _Malformed as exc:
             if exc.answerable:
+                self._refused()
                 await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
         except TimeoutError:
+            self._refused()
             await _reply(conn, 400, "failed", f"egress request malformed: no complete request head within "
                                               f"{HEAD_TIMEOUT_S:g} s")
             return
@@ -334,6 +337,7 @@ class EgressSession:
                 raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
                                  "https:// request (only egress.secrets hosts are fetched so)")
         except ValueError as exc:
+            self._refused()
             await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
         relaying = host == RELAY_NAME
@@ -439,8 +443,16 @@ class EgressSession:
         literal = parse_address(host)
         return [literal] if literal is not None else await self._proxy.lookup(host, port, self._lookups), verdict
 
+    def _refused(self) -> None:
+        """A connection the proxy answers with a refusal: the daemon's answer is all the work done for
+        it, so it spends ``egress.refusal_cost`` of the sandbox's accepts (a flood of refused
+        connections gets a fifth of the accepts, and costs the daemon a fifth as much)."""
+        self._accepts.owe(self._proxy.config.refusal_cost - 1)
+
     def _record(self, decision: str, reason: str, host: str | None, port: int, address: IPAddress | None,
                 rewrite: Rewrite | None = None) -> None:
+        if decision == "refused":
+            self._refused()
         call = self._context()
         self._proxy.decisions[(decision, _reason_label(reason))] += 1
         named = {}  # never the values: the names of the secrets put in, and of stand-ins sent elsewhere
@@ -635,3 +647,8 @@ class _Debt:
         tokens = rate if self._tokens is None else min(rate, self._tokens + (now - self._at) * rate)
         self._tokens, self._at = tokens - 1, now
         return 0.0 if self._tokens >= 0 else -self._tokens / rate
+
+    def owe(self, count: float) -> None:
+        """Spend ``count`` more on what was taken last: the next ``take`` waits for it too."""
+        if self._tokens is not None:
+            self._tokens -= count

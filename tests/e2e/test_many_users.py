@@ -22,7 +22,7 @@ import pytest
 
 from bench.source import Source
 from sandboxd.server.connection import RefusedPeers
-from tests.e2e.neighbours import Background, Pinger, Spent, percentile, ping_bound_ms, wait_for_pool, warm_call_seconds
+from tests.e2e.neighbours import Background, Pinger, Spent, percentile, wait_for_pool, warm_call_seconds
 
 pytestmark = pytest.mark.docker
 
@@ -115,9 +115,9 @@ def _downloads(daemon: Any, source: Source, count: int, seconds: float) -> tuple
 
 def test_the_control_plane_stays_fast_while_eight_sandboxes_download(make_daemon: Any) -> None:
     """Eight sandboxes at their full egress rate (8 x 16 MiB/s, the default total): a bystander's
-    ping p99 <= 10 ms and warm call p50 <= 3x quiet (the issue's targets), and the bytes cost the
-    daemon's loop little (splice: ~0.5 ms of CPU per MiB here; copying them through asyncio
-    streams cost ~2 ms)."""
+    ping p99 <= 10 ms (beyond a yardstick's, neighbours.Pinger) and warm call p50 <= 3x quiet (the
+    issue's targets), and the bytes cost the daemon at most a quarter of a core (splice: 0.5-1.1 ms
+    of CPU per MiB here; copying them through asyncio streams cost ~2 ms)."""
     with Source() as source:
         daemon = make_daemon(env={"SANDBOXD_EGRESS_ALLOW": f'["127.0.0.1:{source.port}"]'})
         quiet_calls = warm_call_seconds(daemon, BYSTANDER, 300)
@@ -138,16 +138,19 @@ def test_the_control_plane_stays_fast_while_eight_sandboxes_download(make_daemon
             background.close()
         for outcome in pumps:
             assert outcome.result is not None and outcome.result["status"] == "ok", outcome
-        ping = (percentile(quiet.seconds, 0.99) * 1000, percentile(loaded.seconds, 0.99) * 1000)
+        ping = (quiet.p99_ms(), loaded.p99_ms())
         call = (percentile(quiet_calls, 0.5) * 1000, percentile(loaded_calls, 0.5) * 1000)
         cpu_ms_per_mib = spent.cpu_s * 1000 / moved_mib
         _report("eight sandboxes downloading", mib_s=round(moved_mib / spent.wall_s), daemon_cores=round(spent.cores, 3),
                 cpu_ms_per_mib=round(cpu_ms_per_mib, 2), ping_p99_ms=[round(x, 2) for x in ping],
+                yardstick_p99_ms=[round(quiet.yardstick_p99_ms(), 2), round(loaded.yardstick_p99_ms(), 2)],
                 call_p50_ms=[round(x, 2) for x in call])
         assert moved_mib / spent.wall_s > 64, "the downloads did not run at their rate"
-        assert ping[1] <= ping_bound_ms(quiet.seconds), ping
+        assert ping[1] <= loaded.bound_ms(), (ping, loaded.yardstick_p99_ms())
         assert call[1] <= 3 * call[0], call
-        assert cpu_ms_per_mib <= 1.2, cpu_ms_per_mib
+        # The bytes' cost to the daemon, within the budget the issue gives a flood (0.25 core): splice
+        # costs 0.5-1.1 ms of CPU per MiB here (by how busy the machine is), 0.06-0.15 core.
+        assert spent.cores <= 0.25, (spent.cores, cpu_ms_per_mib)
 
 
 def test_a_daemon_wide_egress_budget_is_shared_equally(make_daemon: Any) -> None:
@@ -174,12 +177,11 @@ def test_a_daemon_wide_egress_budget_is_shared_equally(make_daemon: Any) -> None
 
 def test_a_refused_connection_flood_from_four_sandboxes_costs_the_daemon_little(make_daemon: Any) -> None:
     """Four sandboxes each opening refused CONNECTs in 24 loops for 10 s (the issue's case, on four):
-    the daemon at most 0.25 core, its log at most 512 KiB, a bystander's ping p99 at most 10 ms. The
+    the daemon at most 0.25 core, its log at most 512 KiB, a bystander's ping p99 at most 10 ms
+    beyond a yardstick's. The
     destination, a private address, is refused by the policy before any connect."""
     daemon = make_daemon()
     warm_call_seconds(daemon, BYSTANDER, 10)
-    with Pinger(daemon) as quiet:
-        time.sleep(3)
     background = Background(daemon)
     for i in range(4):
         background.call(f"flood{i}@example.com", "egress_probe", {"mode": "routes"})
@@ -200,22 +202,47 @@ def test_a_refused_connection_flood_from_four_sandboxes_costs_the_daemon_little(
         for key, count in json.loads(outcome.result["content"][0]["text"]).items():
             outcomes[key] = outcomes.get(key, 0) + count
     refused = outcomes.get("HTTP/1.1 403 Forbidden", 0)
-    ping_p99 = percentile(loaded.seconds, 0.99) * 1000
+    ping_p99 = loaded.p99_ms()
     _report("refused-connection flood, four sandboxes x 24 loops, 10 s", daemon_cores=round(spent.cores, 3),
-            log_kib=round(spent.log_bytes / 1024), ping_p99_ms=round(ping_p99, 2), outcomes=outcomes)
+            log_kib=round(spent.log_bytes / 1024), ping_p99_ms=round(ping_p99, 2),
+            yardstick_p99_ms=round(loaded.yardstick_p99_ms(), 2), outcomes=outcomes)
     assert refused > 0 and not [k for k in outcomes if k.startswith("HTTP/") and "403" not in k], outcomes
+    # egress.refusal_cost (5) of egress.connect_rate (50/s) each: ten refusals a second a sandbox, after a
+    # burst of ten (at a refusal_cost of 1, ~2,300 in all).
+    assert refused <= 4 * 10 * (10 + 1 + 5), refused
     assert spent.cores <= 0.25, spent.cores
     assert spent.log_bytes <= 512 << 10, spent.log_bytes
-    assert ping_p99 <= ping_bound_ms(quiet.seconds), (ping_p99, percentile(quiet.seconds, 0.99) * 1000)
-    # Every decision is counted, though few are logged; the drop is said in a summary line.
+    assert ping_p99 <= loaded.bound_ms(), (ping_p99, loaded.yardstick_p99_ms())
+
+
+def test_a_sandboxs_egress_lines_are_held_to_its_budget(make_daemon: Any) -> None:
+    """Refusals at the full connect_rate (refusal_cost 1: 50 a second, a sandbox's worst with the
+    cost lifted): the sandbox's egress lines stay within log_burst + log_rate x t, and one summary
+    line counts the rest, so logged + dropped is every decision."""
+    daemon = make_daemon(config="egress:\n  refusal_cost: 1\n")
+    background = Background(daemon)
+    started = time.monotonic()
+    flood = background.call("flood@example.com", "egress_probe",
+                            {"mode": "flood", "request": "CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n", "port": 24,
+                             "seconds": 5}, timeoutMs=60_000)
+    try:
+        background.wait([flood], 60)
+    finally:
+        background.close()
+    assert flood.result is not None and flood.result["status"] == "ok", flood
+    refused = json.loads(flood.result["content"][0]["text"]).get("HTTP/1.1 403 Forbidden", 0)
     with daemon.client() as client:
         client.request("ping")
     deadline = time.monotonic() + 15
     while not daemon.events("log_lines_dropped") and time.monotonic() < deadline:
         time.sleep(0.5)
-    (summary, *_) = daemon.events("log_lines_dropped")
-    assert summary["by_source"][0]["source"] == "sandbox" and summary["by_source"][0]["event"] == "egress"
-    assert len(daemon.events("egress")) < refused
+    logged = daemon.events("egress", user="flood@example.com")
+    top = daemon.events("log_lines_dropped")[0]["by_source"][0]
+    _report("one sandbox's refusals at the full connect rate, 5 s", refused=refused, logged=len(logged),
+            dropped=top["dropped"])
+    assert refused > 200, refused  # 50 a second, after a burst of 50
+    assert len(logged) <= 100 + 10 * (time.monotonic() - started) + 10, len(logged)
+    assert (top["source"], top["event"]) == ("sandbox", "egress") and len(logged) + top["dropped"] >= refused, top
 
 
 # Another uid's client: the system's Python (the test's own may sit below a home only root may enter).
@@ -245,24 +272,27 @@ def test_a_refused_client_reconnecting_in_a_loop_costs_the_log_a_bounded_amount(
     """A client whose uid may not use the daemon, reconnecting as fast as it can for 5 s: each
     connection is refused after the door's delay (0.5 s), so it makes ten, not 60,000 (0.75 of a
     core); and however many it makes, its uid's log budget holds their lines to log_burst +
-    log_rate x 5 s, and one summary line says how many went. Eight such clients at once."""
+    log_rate x 5 s, and one summary line says how many went. Eight such clients at once. What
+    they cost the daemon is over what the bystander's pings alone cost it (~0.05 core)."""
     daemon = make_daemon(config="allowed_uids: [4242]\nsocket_mode: '0666'\n", start=False)
     daemon.socket.parent.chmod(0o755)  # the client, uid 65534, must reach the socket
     daemon.start()
-    with Pinger(daemon) as quiet:
+    with Spent(daemon) as pings_alone, Pinger(daemon):
         time.sleep(3)
     with Spent(daemon) as spent, Pinger(daemon) as bystander:
         clients = [subprocess.Popen([SYSTEM_PYTHON, "-c", _RECONNECT, str(daemon.socket), "5"], user=65534, cwd="/",
                                     stdout=subprocess.PIPE, text=True) for _ in range(8)]
         connections = sum(int(client.communicate(timeout=60)[0]) for client in clients)
     refusals = daemon.events("peer_refused", uid=65534)
-    ping_p99 = percentile(bystander.seconds, 0.99) * 1000
+    ping_p99 = bystander.p99_ms()
     _report("eight refused clients reconnecting for 5 s", connections=connections, logged=len(refusals),
-            log_kib=round(spent.log_bytes / 1024), daemon_cores=round(spent.cores, 3), ping_p99_ms=round(ping_p99, 2))
+            log_kib=round(spent.log_bytes / 1024), daemon_cores=round(spent.cores, 3),
+            pings_alone_cores=round(pings_alone.cores, 3), ping_p99_ms=round(ping_p99, 2),
+            yardstick_p99_ms=round(bystander.yardstick_p99_ms(), 2))
     assert connections <= 8 * (5 / RefusedPeers.DELAY_S + 1), connections
-    assert spent.cores <= 0.1, spent.cores
+    assert spent.cores - pings_alone.cores <= 0.1, (spent.cores, pings_alone.cores)
     assert len(refusals) == connections and spent.log_bytes <= 64 << 10, (len(refusals), spent.log_bytes)
-    assert ping_p99 <= ping_bound_ms(quiet.seconds), (ping_p99, percentile(quiet.seconds, 0.99) * 1000)
+    assert ping_p99 <= bystander.bound_ms(), (ping_p99, bystander.yardstick_p99_ms())
 
 
 def test_a_refused_peers_lines_are_held_to_its_uids_budget(make_daemon: Any) -> None:
@@ -334,10 +364,13 @@ def test_a_client_pipelining_thousands_of_requests_does_not_hold_the_loop(make_d
         reader.join(60)
         time.sleep(0.2)
     flood.close()
-    ping_p99, ping_max = percentile(bystander.seconds, 0.99) * 1000, max(bystander.seconds) * 1000
+    ping_p99, ping_max = bystander.p99_ms(), max(bystander.seconds) * 1000
+    yardstick_p99, yardstick_max = bystander.yardstick_p99_ms(), max(bystander.yardstick_seconds) * 1000
     _report("a client pipelining 50,000 pings", bystander_ping_p99_ms=round(ping_p99, 2),
-            bystander_ping_max_ms=round(ping_max, 2), answered=answers.count(b"\n"))
+            bystander_ping_max_ms=round(ping_max, 2), yardstick_p99_ms=round(yardstick_p99, 2),
+            yardstick_max_ms=round(yardstick_max, 2), answered=answers.count(b"\n"))
     assert answers.count(b"\n") == count
     # Without the turns: p99 88-96 ms, max 103-115 ms; with them 5 ms (11 ms at most) on a quiet
-    # machine. The bound leaves room for a busy one.
-    assert ping_p99 <= 30 and ping_max <= 60, (ping_p99, ping_max)
+    # machine. The bounds leave room for a busy one, and a slow scheduler is the yardstick's too.
+    assert ping_p99 <= 20 + yardstick_p99 and ping_max <= 50 + yardstick_max, (ping_p99, ping_max, yardstick_p99,
+                                                                             yardstick_max)

@@ -440,6 +440,45 @@ def test_a_sandbox_holds_at_most_max_connections_and_close_ends_them() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("refusal_cost, served", [(1.0, (25, 45)), (5.0, (4, 12))])
+def test_refused_connections_spend_refusal_cost_of_the_connect_rate(tmp_path: Any, refusal_cost: float,
+                                                                    served: tuple[int, int]) -> None:
+    """A sandbox whose every connection is refused, connecting as fast as it can for 1 s at a
+    connect_rate of 20: at refusal_cost 1 it is answered ~40 times (a second's worth at once, then
+    20 a second), at 5 a fifth of that; the rest wait in the listener's backlog, unaccepted."""
+    async def scenario() -> int:
+        proxy, _ = make_proxy(connect_rate=20, refusal_cost=refusal_cost)
+        session = proxy.session("a@b.c", "s", lambda: EgressCall(None, frozenset(), StandIns()))
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(tmp_path / "egress.sock"))
+        listener.listen(256)
+        listener.setblocking(False)
+        serving = asyncio.ensure_future(session.serve(listener, lambda peer: True))
+        answered = 0
+
+        async def flood() -> None:
+            nonlocal answered
+            while True:
+                reader, writer = await asyncio.open_unix_connection(str(tmp_path / "egress.sock"))
+                writer.write(b"CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n")
+                answer = await reader.read()
+                assert answer.startswith(b"HTTP/1.1 403"), answer
+                answered += 1
+                writer.close()
+
+        floods = [asyncio.ensure_future(flood()) for _ in range(4)]
+        await asyncio.sleep(1.0)
+        for task in [*floods, serving]:
+            task.cancel()
+        await asyncio.gather(*floods, serving, return_exceptions=True)
+        listener.close()
+        return answered
+
+    low, high = served
+    answered = asyncio.run(scenario())
+    assert low <= answered <= high, answered
+
+
 def test_the_log_names_user_tool_and_decision_and_masks_secrets() -> None:
     import io
 
