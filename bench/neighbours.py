@@ -11,7 +11,10 @@ the reserve is 4) and the egress proxy allowed to reach a local source (bench/so
   before any connect: the destination is a private address).
 
 For each, the bystander (a user with a warm sandbox of their own) pings and calls one after
-another; the daemon's CPU and the log's growth are read over the same window.
+another; the daemon's CPU and the log's growth are read over the same window. The same pings
+go to a yardstick (bench/yardstick.py) as well: what the machine's scheduler alone adds to a
+bare server's answer under that crowd, the part of the bystander's latency that is not the
+daemon's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from bench.load import daemon_call_line, process_cpu
 from bench.source import Source
 from bench.stats import summarize
 from bench.wire import LineSocket
+from bench.yardstick import Yardstick
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "e2e" / "tools" / "egress_probe"  # its pump and flood modes
@@ -70,9 +74,10 @@ class _Background:
             conn.close()
 
 
-def _bystander(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
+def _bystander(daemon: d.BenchDaemon, user: str, yardstick: Yardstick) -> dict[str, Any]:
     """What the daemon spends, and how fast its log grows, with only the neighbours running (or
-    nothing, quiet); then the bystander's pings and warm calls one after another."""
+    nothing, quiet); then the bystander's pings and warm calls one after another, and the same
+    pings to the yardstick."""
     log0, wall0, cpu0 = daemon.log_path.stat().st_size, time.monotonic(), process_cpu(daemon.pid)
     time.sleep(3.0)
     wall = time.monotonic() - wall0
@@ -85,7 +90,12 @@ def _bystander(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
         call_cpu_us = 1e6 * (process_cpu(daemon.pid) - cpu0) / CALLS
     finally:
         conn.close()
-    return {"ping": summarize(ping), "call": {**summarize(calls), "daemon_cpu_us_per_call": call_cpu_us},
+    conn = LineSocket(yardstick.path)
+    try:
+        bare = d.sequential_calls(conn, b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\n', PINGS)
+    finally:
+        conn.close()
+    return {"ping": summarize(ping), "yardstick_ping": summarize(bare), "call": {**summarize(calls), "daemon_cpu_us_per_call": call_cpu_us},
             "daemon_cores": alone, "log_kib_per_s": log_kib_per_s}
 
 
@@ -102,7 +112,7 @@ def _held(pool: dict[str, Any], users: list[str], state: str = "busy") -> int:
     return sum(pool["users"].get(u, {}).get(state, 0) for u in users)
 
 
-def pool_at_its_limit(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dict[str, Any]:
+def pool_at_its_limit(daemon: d.BenchDaemon, run_id: str, bystander: str, yardstick: Yardstick) -> dict[str, Any]:
     heavy = [f"heavy{i}-{run_id}@bench.example" for i in range(8)]
     background = _Background(daemon)
     try:
@@ -118,7 +128,7 @@ def pool_at_its_limit(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dic
             time.sleep(0.05)
         newcomers.close()
         first_calls = [seconds for seconds, line in newcomers.answers if b'"status":"ok"' in line]
-        out = _bystander(daemon, bystander)
+        out = _bystander(daemon, bystander, yardstick)
         pool = daemon.status()["pool"]
         out |= {"newcomer_first_call_s": sorted(round(s, 2) for s in first_calls), "newcomers_served": len(first_calls),
                 "heavy_holding": _held(pool, heavy, "holding"), "killed": pool["counters"]["killed"]}
@@ -127,7 +137,8 @@ def pool_at_its_limit(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dic
         background.close()
 
 
-def egress_pumping(daemon: d.BenchDaemon, run_id: str, bystander: str, source: Source) -> dict[str, Any]:
+def egress_pumping(daemon: d.BenchDaemon, run_id: str, bystander: str, source: Source,
+                   yardstick: Yardstick) -> dict[str, Any]:
     pumpers = [f"pump{i}-{run_id}@bench.example" for i in range(8)]
     background = _Background(daemon)
     try:
@@ -136,14 +147,14 @@ def egress_pumping(daemon: d.BenchDaemon, run_id: str, bystander: str, source: S
         _wait(daemon, lambda p: _held(p, pumpers) == 8, 60, "eight downloads starting")
         time.sleep(2)  # past each sandbox's first second's burst
         sent0, at0 = source.sent, time.monotonic()
-        out = _bystander(daemon, bystander)
+        out = _bystander(daemon, bystander, yardstick)
         out["egress_mib_s"] = (source.sent - sent0) / (1 << 20) / (time.monotonic() - at0)
         return out
     finally:
         background.close()
 
 
-def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dict[str, Any]:
+def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str, yardstick: Yardstick) -> dict[str, Any]:
     flooders = [f"flood{i}-{run_id}@bench.example" for i in range(4)]
     background = _Background(daemon)
     try:
@@ -154,14 +165,14 @@ def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str) -> dict[st
             background.call(user, "egress_probe", {"mode": "flood", "request": "CONNECT 10.0.0.5:443 HTTP/1.1\r\n\r\n",
                                                    "port": 24, "seconds": 60})
         time.sleep(1)
-        return _bystander(daemon, bystander)
+        return _bystander(daemon, bystander, yardstick)
     finally:
         background.close()
 
 
 def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
     bystander = f"bystander-{run_id}@bench.example"
-    with Source() as source:
+    with Source() as source, Yardstick() as yardstick:
         daemon = d.BenchDaemon(root, config(image, source.port), fresh_tools=0)
         shutil.copytree(PROBE, daemon.data / "tools" / PROBE.name)
         shutil.copytree(REPO / "tests" / "e2e" / "tools" / "sleeper", daemon.data / "tools" / "sleeper")
@@ -171,11 +182,11 @@ def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
             conn = daemon.connect()
             d.sequential_calls(conn, daemon_call_line(bystander), 500)  # its sandbox warm, hello loaded
             conn.close()
-            for name, scenario in (("pool", lambda: pool_at_its_limit(daemon, run_id, bystander)),
-                                   ("egress", lambda: egress_pumping(daemon, run_id, bystander, source)),
-                                   ("flood", lambda: refused_flood(daemon, run_id, bystander))):
+            for name, scenario in (("pool", lambda: pool_at_its_limit(daemon, run_id, bystander, yardstick)),
+                                   ("egress", lambda: egress_pumping(daemon, run_id, bystander, source, yardstick)),
+                                   ("flood", lambda: refused_flood(daemon, run_id, bystander, yardstick))):
                 daemon.settle(timeout=120)
-                out[f"{name}_quiet"] = _bystander(daemon, bystander)
+                out[f"{name}_quiet"] = _bystander(daemon, bystander, yardstick)
                 out[name] = scenario()
         finally:
             daemon.stop(timeout=120)

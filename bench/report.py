@@ -275,8 +275,10 @@ def _neighbour_rows(n: dict[str, Any]) -> list[tuple[str, str, str, str, str, st
         if not loaded or not quiet:
             continue
         ping, ping_quiet = _p(loaded, "ping", "p99"), _p(quiet, "ping", "p99")
-        out.append((f"{what}: a bystander's ping, p99", _ms(ping), f"quiet {_ms(ping_quiet)}", _x(ratio(ping, ping_quiet)),
-                    "≤ 10 ms", _check(ping is not None and ping <= 10)))
+        bare = _p(loaded, "yardstick_ping", "p99")
+        beside = f"; a bare server's {_ms(bare)} (quiet {_ms(_p(quiet, 'yardstick_ping', 'p99'))})" if bare is not None else ""
+        out.append((f"{what}: a bystander's ping, p99", _ms(ping), f"quiet {_ms(ping_quiet)}{beside}",
+                    _x(ratio(ping, ping_quiet)), "≤ 10 ms", _check(ping is not None and ping <= 10)))
         call, call_quiet = _p(loaded, "call", "p50"), _p(quiet, "call", "p50")
         x = ratio(call, call_quiet)
         cpu = f"daemon CPU {loaded['call']['daemon_cpu_us_per_call']:.0f} µs/call (quiet {quiet['call']['daemon_cpu_us_per_call']:.0f})"

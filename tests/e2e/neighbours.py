@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench import stats
+from bench.yardstick import Yardstick
 from sandboxd.client import Client, DaemonUnreachable, RpcError
 from tests.e2e.conftest import Daemon
 
@@ -89,25 +87,6 @@ def wait_for_pool(daemon: Daemon, predicate: Any, timeout: float, what: str) -> 
     raise AssertionError(f"{what} did not happen within {timeout:g} s; the pool: {pool}\n{daemon.log()}")
 
 
-# A bare asyncio server answering JSON-RPC lines, as the daemon answers ping: the yardstick.
-_YARDSTICK = """
-import asyncio, json, sys
-
-async def serve(reader, writer):
-    while line := await reader.readline():
-        request = json.loads(line)
-        writer.write(json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": {}}).encode() + b"\\n")
-        await writer.drain()
-
-async def main():
-    server = await asyncio.start_unix_server(serve, sys.argv[1])
-    print("ready", flush=True)
-    await server.serve_forever()
-
-asyncio.run(main())
-"""
-
-
 def _ask(conn: socket.socket, request_id: int) -> float:
     """One ping on ``conn`` and its answer, read whole: the seconds it took."""
     started = time.perf_counter()
@@ -125,10 +104,8 @@ def _ask(conn: socket.socket, request_id: int) -> float:
 
 class Pinger:
     """A bystander's pings, one after another on one connection, for as long as it runs; and beside
-    each, the same ping to a yardstick: a bare asyncio server in its own process. The yardstick's
-    answers take what the machine's scheduler adds to any process at that moment (on two cores
-    busy with eight sandboxes and a download server, milliseconds), which is not the crowd's doing
-    on the daemon's loop; ``bound_ms`` takes it into account."""
+    each, the same ping to a yardstick (bench/yardstick.py), whose answers take what the machine's
+    scheduler adds to any process at that moment; ``bound_ms`` takes it into account."""
 
     def __init__(self, daemon: Daemon, interval_s: float = 0.005) -> None:
         self._daemon, self._interval = daemon, interval_s
@@ -136,25 +113,18 @@ class Pinger:
         self.yardstick_seconds: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._dir = tempfile.TemporaryDirectory(prefix="sbd-yardstick-")
-        self._yardstick_path = os.path.join(self._dir.name, "yardstick.sock")
-        self._yardstick: subprocess.Popen[str] | None = None
+        self._yardstick = Yardstick()
         self.error: BaseException | None = None
 
     def __enter__(self) -> Pinger:
-        self._yardstick = subprocess.Popen([sys.executable, "-c", _YARDSTICK, self._yardstick_path],
-                                           stdout=subprocess.PIPE, text=True)
-        assert self._yardstick.stdout is not None and self._yardstick.stdout.readline() == "ready\n"
+        self._yardstick.__enter__()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join(10)
-        if self._yardstick is not None:
-            self._yardstick.kill()
-            self._yardstick.wait()
-        self._dir.cleanup()
+        self._yardstick.__exit__(*exc)
         if self.error is not None and exc[0] is None:
             raise AssertionError(f"the bystander's pings stopped: {self.error!r}") from self.error
 
@@ -164,7 +134,7 @@ class Pinger:
                 daemon.settimeout(30)
                 yardstick.settimeout(30)
                 daemon.connect(str(self._daemon.socket))
-                yardstick.connect(self._yardstick_path)
+                yardstick.connect(self._yardstick.path)
                 request_id = 0
                 while not self._stop.is_set():
                     request_id += 1
