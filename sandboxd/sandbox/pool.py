@@ -17,11 +17,9 @@ pool size, where a walk of everything costs ~1 ms at 500 users on every call's p
 caller that is cancelled while it waits never leaks a slot: ``acquire`` gives back
 whatever it was handed.
 
-Users share the pool max-min fairly (docs/design.md, "Sharing the pool"): waiting
-users are served fewest-held first, a user holding more than a waiting user gives
-way at their next release, and the last ``pool.reserve`` slots only ever go to a
-user's first call, so a user with nothing running is served while others hold the
-rest.
+Users share the pool max-min fairly, with the last ``pool.reserve`` slots kept for users'
+first calls: sharing.py decides whose turn it is and what serves it, and ``_plan`` carries
+each decision out. The records (``PooledSandbox``, ``Waiter``, ``Plan``) are pooled.py's.
 
 A sandbox being destroyed stays in ``_sandboxes`` (STOPPING) until the backend has
 removed it, so the limits bound the containers that exist, not just the usable
@@ -33,16 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
-import heapq
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from sandboxd.config import PoolConfig
 from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, ShuttingDown
 from sandboxd.logging import get_logger, source
-from sandboxd.sandbox.backend import Backend, Sandbox, SandboxSpec
+from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.pooled import BUSY, HELD, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
+from sandboxd.sandbox.sharing import Counts, holdings, serve_fairly
+
+__all__ = ["Pool", "PooledSandbox", "State"]
 
 log = get_logger("sandboxd.pool")
 
@@ -50,57 +49,6 @@ log = get_logger("sandboxd.pool")
 START_BACKOFF_S = 1.0
 # Why a caller's wait for a sandbox ran out (sandboxd_pool_refusals_total{reason}).
 REFUSAL_REASONS = ("user_limit", "reserve", "pool_full")
-
-
-class State(enum.Enum):
-    STARTING = "starting"
-    IDLE = "idle"
-    BUSY = "busy"
-    STOPPING = "stopping"  # being destroyed; still counts against the limits
-
-
-# The states by plain names, for every call's path (acquire, release): looking a member up on
-# its enum costs ~0.2 µs in Python 3.11, a module name a tenth of that.
-STARTING, IDLE, BUSY, STOPPING = State.STARTING, State.IDLE, State.BUSY, State.STOPPING
-# The states in which a sandbox is held for a call: busy, or starting for one (a spare's start counts too).
-HELD = (BUSY, STARTING)
-
-
-@dataclass(eq=False)
-class PooledSandbox:
-    user: str
-    state: State
-    sandbox: Sandbox | None = None
-    calls: int = 0
-    since: float = 0.0  # when it entered its current state
-    generation: int = 0  # the sandbox settings it was started with (see retire_all)
-    # What happened to it, recorded by the event that saw it; the next _plan acts on it (its start
-    # finished: ``sandbox`` is set).
-    call_ended: bool = False  # release: its call is over
-    spent: bool = False  # release: that call left it unfit for another (crashed, killed, old settings, max calls)
-    start_error: SandboxdError | None = None  # its start failed
-    removed: bool = False  # the backend has removed it (or gave up and listed it for removal)
-
-    @property
-    def id(self) -> str:
-        return self.sandbox.id if self.sandbox is not None else "(starting)"
-
-
-@dataclass(eq=False)
-class Waiter:
-    user: str
-    future: asyncio.Future[PooledSandbox]
-
-
-class Plan:
-    """What a plan decided for ``_apply`` to do (a plain class: one is made twice per call)."""
-
-    __slots__ = ("start", "destroy", "handed")
-
-    def __init__(self) -> None:
-        self.start: list[PooledSandbox] = []
-        self.destroy: list[PooledSandbox] = []
-        self.handed: PooledSandbox | None = None  # what the arriving caller of a one-user plan took
 
 
 class Pool:
@@ -220,9 +168,9 @@ class Pool:
         self._waiters.clear()
         deadline = self._clock() + grace
         # No plan runs from here on: a call's end stays a recorded fact.
-        while any(p.state is State.BUSY and not p.call_ended for p in self._sandboxes) and self._clock() < deadline:
+        while any(p.state is BUSY and not p.call_ended for p in self._sandboxes) and self._clock() < deadline:
             await asyncio.sleep(0.05)
-        doomed = [p for p in self._sandboxes if p.state is not State.STOPPING]  # those are on their way already
+        doomed = [p for p in self._sandboxes if p.state is not STOPPING]  # those are on their way already
         self._sandboxes.clear()
         self._of_user.clear()
         # Starts are cancelled (the backend removes a half-made sandbox); destroys run to the end.
@@ -243,27 +191,13 @@ class Pool:
         for pooled in self._sandboxes:
             counts[pooled.state] += 1
         return (
-            f"<Pool [starting: {counts[State.STARTING]}, idle: {counts[State.IDLE]}, "
-            f"busy: {counts[State.BUSY]}, stopping: {counts[State.STOPPING]}, waiting: {len(self._waiters)}]>"
+            f"<Pool [starting: {counts[STARTING]}, idle: {counts[IDLE]}, "
+            f"busy: {counts[BUSY]}, stopping: {counts[STOPPING]}, waiting: {len(self._waiters)}]>"
         )
 
     def status(self) -> dict[str, Any]:
         """Counts by state, in all and per user (``holding``: busy or starting), the sharing rules, the counters."""
-        keys = ("starting", "idle", "busy", "stopping", "waiting", "holding")
-        users: dict[str, dict[str, int]] = {}
-        for pooled in self._sandboxes:
-            row = users.setdefault(pooled.user, dict.fromkeys(keys, 0))
-            row[pooled.state.value] += 1
-            if pooled.state in HELD:
-                row["holding"] += 1
-        for waiter in self._waiters:
-            users.setdefault(waiter.user, dict.fromkeys(keys, 0))["waiting"] += 1
-        totals = {key: sum(row[key] for row in users.values()) for key in keys}
-        active = sum(1 for row in users.values() if row["holding"] or row["waiting"])
-        sharing = {"reserve": self.config.reserved, "activeUsers": active,
-                   # What max-min fairness gives each active user of a full pool.
-                   "fairShare": min(self.config.max_per_user, max(1, self.config.max_total // max(1, active)))}
-        return {"totals": totals, "users": users, "sharing": sharing, "counters": dict(self.stats),
+        return {**holdings(self._sandboxes, self._waiters, self.config), "counters": dict(self.stats),
                 "refusals": dict(self.refusals)}
 
     # -- the decisions --------------------------------------------------------
@@ -375,78 +309,20 @@ class Pool:
 
     def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
                held_total: int, plan: Plan, now: float) -> None:
-        """Step 2 of _plan: max-min fair service of the waiting callers.
+        """Step 2 of _plan: sharing.serve_fairly decides the turns (max-min fair, the reserve kept
+        for first calls); _Carried makes each decision here, on the pool's state, at once."""
+        counts = Counts(held={user: self._count(user, *HELD) for user in queues},
+                        starting={user: self._count(user, STARTING) for user in queues},
+                        owned={user: len(self._of_user.get(user, ())) for user in queues},
+                        total=len(self._sandboxes), held_total=held_total,
+                        room_coming=sum(1 for p in self._sandboxes if p.state is STOPPING))
+        serve_fairly(queues, idle_of, {waiter: i for i, waiter in enumerate(self._waiters)}, counts,
+                     max_per_user=self.config.max_per_user, max_total=self.config.max_total,
+                     ceiling=self._ceiling(), act=_Carried(self, plan, now))
 
-        Users take turns, the one holding fewest first (ties: one with an idle sandbox of its
-        own, then the one waiting longest), one caller a turn. A turn is served by, cheapest
-        first: the user's own idle sandbox; a start in free room; room already on its way (a
-        sandbox being destroyed); an idle sandbox of another user, evicted: a spare of a user
-        with nobody waiting (the longest idle), else one of the user holding most, if that is
-        more than this user holds (they give way at their release). A user's callers beyond
-        those their starting sandboxes will serve need a turn each. Calls beyond a user's
-        first never take the last ``reserve`` slots (``_ceiling``).
-        """
-        cfg, ceiling = self.config, self._ceiling()
-        held = {user: self._count(user, *HELD) for user in queues}
-        covered = {user: self._count(user, State.STARTING) for user in queues}  # callers a start will serve
-        claimed = dict.fromkeys(queues, 0)  # room on its way or evicted for them, in this plan
-        room_coming = sum(1 for p in self._sandboxes if p.state is State.STOPPING)
-        arrival = {waiter: i for i, waiter in enumerate(self._waiters)}
-
-        def turn(user: str) -> tuple[int, int, int, str]:
-            return held[user], 0 if idle_of.get(user) else 1, arrival[queues[user][0]], user
-
-        heap = [turn(user) for user in queues]
-        heapq.heapify(heap)
-        while heap:
-            user = heapq.heappop(heap)[-1]
-            queue, idle = queues[user], idle_of.get(user)
-            if held[user] and held_total >= ceiling:
-                continue  # the reserve is for first calls: this user waits for a release
-            if idle:
-                waiter = queue.popleft()
-                self._waiters.remove(waiter)
-                waiter.future.set_result(self._hand_out(idle.pop(0), now))
-            elif len(queue) > covered[user]:
-                if len(self._of_user.get(user, ())) + claimed[user] >= cfg.max_per_user:
-                    continue  # at their own limit: their callers wait for their own releases
-                if len(self._sandboxes) < cfg.max_total:
-                    plan.start.append(self._new(user, now))
-                elif room_coming:
-                    room_coming -= 1
-                    claimed[user] += 1
-                else:
-                    victim = self._victim(user, held, queues, idle_of)
-                    if victim is None:
-                        continue  # nobody has anything to give up until a release
-                    idle_of[victim.user].remove(victim)
-                    plan.destroy.append(self._stopping(victim, now))
-                    claimed[user] += 1
-                covered[user] += 1
-            else:
-                continue  # every caller of theirs is covered by a start
-            held[user] += 1
-            held_total += 1
-            if queue and (len(queue) > covered[user] or idle_of.get(user)):
-                heapq.heappush(heap, turn(user))
-
-    @staticmethod
-    def _victim(user: str, held: dict[str, int], queues: dict[str, collections.deque[Waiter]],
-                idle_of: dict[str, list[PooledSandbox]]) -> PooledSandbox | None:
-        """The idle sandbox of another user to evict for ``user``, or None (see ``_serve``)."""
-        best: tuple[tuple[int, float], PooledSandbox] | None = None
-        for owner, idle in idle_of.items():
-            if owner == user or not idle:
-                continue
-            if owner not in queues:
-                key = (0, min(p.since for p in idle))  # a spare: the longest idle first
-            elif held[owner] > held[user]:
-                key = (1, -held[owner])  # gives way: the one holding most first
-            else:
-                continue
-            if best is None or key < best[0]:
-                best = key, min(idle, key=lambda p: p.since)
-        return best[1] if best is not None else None
+    def _give(self, waiter: Waiter, pooled: PooledSandbox, now: float) -> None:
+        self._waiters.remove(waiter)
+        waiter.future.set_result(self._hand_out(pooled, now))
 
     def _keep_warm(self, user: str, plan: Plan, now: float) -> None:
         """Step 3 of _plan for one user who called or listed within the TTL: start what min_idle
@@ -493,7 +369,7 @@ class Pool:
         return pooled
 
     def _new(self, user: str, now: float) -> PooledSandbox:
-        pooled = PooledSandbox(user, State.STARTING, since=now, generation=self._generation)
+        pooled = PooledSandbox(user, STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
         self._of_user.setdefault(user, []).append(pooled)
         return pooled
@@ -548,13 +424,13 @@ class Pool:
 
     def _sandbox_died(self, pooled: PooledSandbox) -> None:
         """An idle sandbox died (engine restart, killed from outside): _plan sees it dead and replaces it."""
-        if pooled.state is State.IDLE:
+        if pooled.state is IDLE:
             self._replan(pooled.user)
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
 
     @staticmethod
     def _stopping(pooled: PooledSandbox, now: float) -> PooledSandbox:
-        pooled.state, pooled.since = State.STOPPING, now
+        pooled.state, pooled.since = STOPPING, now
         return pooled
 
     async def _destroy(self, pooled: PooledSandbox) -> None:
@@ -567,3 +443,21 @@ class Pool:
             pooled.removed = True
             if not self._closing:
                 self._apply(self._plan())
+
+
+class _Carried:
+    """sharing.Actions for one plan: each decision changes the pool's state at once, inside _plan."""
+
+    __slots__ = ("_pool", "_plan", "_now")
+
+    def __init__(self, pool: Pool, plan: Plan, now: float) -> None:
+        self._pool, self._plan, self._now = pool, plan, now
+
+    def hand(self, waiter: Waiter, pooled: PooledSandbox) -> None:
+        self._pool._give(waiter, pooled, self._now)
+
+    def start(self, user: str) -> None:
+        self._plan.start.append(self._pool._new(user, self._now))
+
+    def evict(self, pooled: PooledSandbox) -> None:
+        self._plan.destroy.append(self._pool._stopping(pooled, self._now))
