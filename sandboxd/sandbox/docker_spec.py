@@ -39,11 +39,18 @@ EGRESS_SOCKET_NAME = "egress.sock"
 HOSTS_NAME = "hosts"
 LOOPBACK_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 CPU_PERIOD_US = 100_000  # the kernel's default CFS period
-# Under gVisor the pids limit counts host threads: the Sentry's and the gofer's own (about 40
-# idle, measured), and, on the ptrace platform, one per thread of the sandbox. Without room for
-# them a sandbox reached its limit long before its tools did, and the Sentry then died on its
-# next clone (exit code 2, "error initializing first thread: resource temporarily unavailable").
-GVISOR_PIDS_HEADROOM = 64
+
+
+def gvisor_pids_limit(pids_limit: int) -> int:
+    """The host's pids limit for a gVisor sandbox whose tools may have ``pids_limit`` threads.
+
+    Under gVisor the limit counts host threads: the Sentry's and the gofer's own (~40 idle,
+    ~90 with the shim's node), and on the ptrace platform a stub thread per sandbox thread and
+    the Sentry threads that trace them. Measured, an OCR of a PDF: 23 threads under runc, 174
+    host threads under runsc. At the limit the Sentry dies on its next clone (exit code 2, the
+    call ``crashed``): 128 + 64 was hit in CI by that OCR on a busy machine.
+    """
+    return 2 * pids_limit + 128
 
 
 def sandbox_user(setting: str) -> str:
@@ -110,7 +117,7 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         # lifted on a running container: a condemned sandbox's is, before the kill (docker_backend.py).
         cpu_period=CPU_PERIOD_US,
         cpu_quota=int(config.cpus * CPU_PERIOD_US),
-        pids_limit=config.pids_limit + (GVISOR_PIDS_HEADROOM if gvisor else 0),
+        pids_limit=gvisor_pids_limit(config.pids_limit) if gvisor else config.pids_limit,
         ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="nofile", soft=4096, hard=4096)],
         init=config.init,
         network_mode=network,

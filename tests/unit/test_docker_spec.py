@@ -147,5 +147,6 @@ def test_only_a_gvisor_sandbox_joins_its_folders_groups(tmp_path: Path) -> None:
     made = container_spec(SandboxConfig(runtime="runsc"), spec, instance="i", name="n", binds=binds, shim_dir=None,
                           network="none", gvisor=True, groups=groups)
     assert made.host_config["group_add"] == ["997", "1001"]
-    # The Sentry's and the gofer's own threads count against the pids limit under gVisor.
-    assert made.host_config["pids_limit"] == 128 + 64
+    # The Sentry's and the gofer's own threads, and on ptrace a stub per sandbox thread, count
+    # against the pids limit under gVisor.
+    assert made.host_config["pids_limit"] == 2 * 128 + 128
