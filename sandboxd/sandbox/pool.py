@@ -39,7 +39,7 @@ from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, Shutt
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.pooled import BUSY, HELD, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import Counts, holdings, serve_fairly
+from sandboxd.sandbox.sharing import Actions, Counts, holdings, serve_fairly
 
 __all__ = ["Pool", "PooledSandbox", "State"]
 
@@ -310,7 +310,7 @@ class Pool:
     def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
                held_total: int, plan: Plan, now: float) -> None:
         """Step 2 of _plan: sharing.serve_fairly decides the turns (max-min fair, the reserve kept
-        for first calls); _Carried makes each decision here, on the pool's state, at once."""
+        for first calls); the actions make each decision here, on the pool's state, at once."""
         counts = Counts(held={user: self._count(user, *HELD) for user in queues},
                         starting={user: self._count(user, STARTING) for user in queues},
                         owned={user: len(self._of_user.get(user, ())) for user in queues},
@@ -318,7 +318,10 @@ class Pool:
                         room_coming=sum(1 for p in self._sandboxes if p.state is STOPPING))
         serve_fairly(queues, idle_of, {waiter: i for i, waiter in enumerate(self._waiters)}, counts,
                      max_per_user=self.config.max_per_user, max_total=self.config.max_total,
-                     ceiling=self._ceiling(), act=_Carried(self, plan, now))
+                     ceiling=self._ceiling(),
+                     act=Actions(hand=lambda waiter, pooled: self._give(waiter, pooled, now),
+                                 start=lambda user: plan.start.append(self._new(user, now)),
+                                 evict=lambda pooled: plan.destroy.append(self._stopping(pooled, now))))
 
     def _give(self, waiter: Waiter, pooled: PooledSandbox, now: float) -> None:
         self._waiters.remove(waiter)
@@ -443,21 +446,3 @@ class Pool:
             pooled.removed = True
             if not self._closing:
                 self._apply(self._plan())
-
-
-class _Carried:
-    """sharing.Actions for one plan: each decision changes the pool's state at once, inside _plan."""
-
-    __slots__ = ("_pool", "_plan", "_now")
-
-    def __init__(self, pool: Pool, plan: Plan, now: float) -> None:
-        self._pool, self._plan, self._now = pool, plan, now
-
-    def hand(self, waiter: Waiter, pooled: PooledSandbox) -> None:
-        self._pool._give(waiter, pooled, self._now)
-
-    def start(self, user: str) -> None:
-        self._plan.start.append(self._pool._new(user, self._now))
-
-    def evict(self, pooled: PooledSandbox) -> None:
-        self._plan.destroy.append(self._pool._stopping(pooled, self._now))

@@ -19,23 +19,19 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 from sandboxd.config import PoolConfig
 from sandboxd.sandbox.pooled import HELD, PooledSandbox, Waiter
 
 
-class Actions(Protocol):
-    """What a turn can decide; ``Pool._plan`` carries each out on the pool's state at once."""
+@dataclass(frozen=True, slots=True)
+class Actions:
+    """What a turn can decide; ``Pool._plan`` supplies each, and carries it out on the pool's state at once."""
 
-    def hand(self, waiter: Waiter, pooled: PooledSandbox) -> None:
-        """Give ``waiter`` this idle sandbox of its user."""
-
-    def start(self, user: str) -> None:
-        """Start a sandbox for ``user`` in free room."""
-
-    def evict(self, pooled: PooledSandbox) -> None:
-        """Destroy this idle sandbox of another user, to make room."""
+    hand: Callable[[Waiter, PooledSandbox], None]  # give the waiter this idle sandbox of its user
+    start: Callable[[str], None]  # start a sandbox for the user in free room
+    evict: Callable[[PooledSandbox], None]  # destroy this idle sandbox of another user, to make room
 
 
 @dataclass

@@ -8,7 +8,7 @@ import collections
 from typing import Any
 
 from sandboxd.sandbox.pooled import PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import Counts, serve_fairly
+from sandboxd.sandbox.sharing import Actions, Counts, serve_fairly
 
 
 class Recorded:
@@ -49,10 +49,10 @@ def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: 
                                for user in queues},
                         total=total, held_total=sum(held.values()) if held_total is None else held_total,
                         room_coming=room_coming)
-        act = Recorded()
+        seen = Recorded()
         serve_fairly(queues, idle_of, arrival, counts, max_per_user=max_per_user, max_total=max_total,
-                     ceiling=max_total - reserve, act=act)
-        return act.decisions
+                     ceiling=max_total - reserve, act=Actions(hand=seen.hand, start=seen.start, evict=seen.evict))
+        return seen.decisions
     finally:
         loop.close()
 
