@@ -149,4 +149,4 @@ def test_only_a_gvisor_sandbox_joins_its_folders_groups(tmp_path: Path) -> None:
     assert made.host_config["group_add"] == ["997", "1001"]
     # The Sentry's and the gofer's own threads, and on ptrace a stub per sandbox thread, count
     # against the pids limit under gVisor.
-    assert made.host_config["pids_limit"] == 2 * 128 + 128
+    assert made.host_config["pids_limit"] == 128 + 256
