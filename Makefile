@@ -129,6 +129,8 @@ install: image
 	rm -rf $(PREFIX)/seed && mkdir -p $(PREFIX)/seed && cp -R seed/tools $(PREFIX)/seed/tools
 	install -d -m 0755 $(PREFIX)/share/doc
 	install -m 0644 docs/*.md $(PREFIX)/share/doc/
+	install -d -m 0755 $(PREFIX)/share/prometheus  # alerting rules for the operator's Prometheus (docs/install.md, "Alerts")
+	sed 's|/opt/sandboxd|$(PREFIX)|g' packaging/prometheus/sandboxd-alerts.yml > $(PREFIX)/share/prometheus/sandboxd-alerts.yml
 	install -D -m 0644 packaging/sysusers.d/sandboxd.conf $(SYSUSERS_DIR)/sandboxd.conf
 	if command -v systemd-sysusers >/dev/null; then systemd-sysusers $(SYSUSERS_DIR)/sandboxd.conf; \
 	elif ! id sandboxd >/dev/null 2>&1; then \

@@ -2,12 +2,14 @@
 # Tools some tests need besides Docker, installed from Debian's packages when missing (as root):
 # systemd-analyze (tests/unit/test_packaging.py verifies packaging/systemd/* with it; the
 # `systemd` package is not started, only its analyzer is used) and ip (tests/e2e/test_systemd.py
-# gives its site an address in its container's network namespace).
+# gives its site an address in its container's network namespace), and promtool (tests/unit/test_alerts.py
+# checks and unit-tests packaging/prometheus/ with it; Debian ships it only in `prometheus`, never started here).
 set -euo pipefail
 
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -18,4 +20,8 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-command -v systemd-analyze >/dev/null && command -v ip >/dev/null
+# Only promtool is wanted: a prometheus server the package started under systemd is stopped and disabled.
+if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+  systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+fi
+command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v promtool >/dev/null
