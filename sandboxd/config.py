@@ -23,7 +23,8 @@ from sandboxd import __version__
 from sandboxd.egress.browser_relay import BrowserRelay
 from sandboxd.egress.policy import AllowEntry
 from sandboxd.egress.secrets import parse_secret_hosts
-from sandboxd.errors import ConfigError
+from sandboxd.errors import ConfigError, InvalidParams
+from sandboxd.users import check_user
 
 SYSTEM_CONFIG = Path("/etc/sandboxd/config.yaml")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -317,6 +318,75 @@ class MetricsConfig(_Section):
         return value
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: Any) -> int:
+    """A size in bytes: a whole number, or one with a binary unit like docker's (``512k``, ``20m``, ``5g``, ``1t``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size; write a number of bytes or one with a unit, e.g. '5g' or '500m'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value} is a negative size")
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("ib").removesuffix("b")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in ("k", "m", "g", "t") else (text, "")
+        if number.replace(".", "", 1).isdigit():
+            return int(float(number) * _SIZE_UNITS[unit])
+    raise ValueError(f"{value!r} is not a size; write a number of bytes or one with a unit k, m, g or t "
+                     "(powers of 1024), e.g. '5g' or '500m'")
+
+
+Enforcement = Literal["off", "soft", "hard", "auto"]
+
+
+class UserQuota(_Section):
+    quota_bytes: int | None = Field(None, description="This user's byte quota; null = storage.quota_bytes.")
+    quota_inodes: int | None = Field(None, ge=1, description="This user's file count quota; null = storage.quota_inodes.")
+
+    @field_validator("quota_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
+
+class StorageConfig(_Section):
+    # E2B gives a sandbox 1-5 GB, Daytona 3 GiB: the upper end, for a user's data and mail together.
+    quota_bytes: int = Field(5 << 30, ge=1 << 20, description="Bytes one user's folders (DATA_PATH/<user> and the email folder) may hold together, as a size like '5g' or '500m'.")
+    quota_inodes: int = Field(500_000, ge=100, description="Files and folders one user's folders may hold together.")
+    enforcement: Enforcement = Field("auto", description="off = no quota; soft = usage measured after each call and on an interval, a user over quota is refused new calls; hard = the kernel stops writes at the limit (btrfs qgroups; start-up stops where it cannot); auto = hard where the filesystem allows it, else soft, said once at start.")
+    measure_interval_s: float = Field(60.0, gt=0, description="How often each user's usage is measured besides after their calls (users over quota: every few seconds).")
+    helper_socket: Path = Field(Path("/run/sandboxd-quota.sock"), description="The privileged quota helper's socket (sandboxd-quota.socket), used when the daemon does not run as root.")
+    users: dict[str, UserQuota] = Field(default_factory=dict, description="Per-user quotas: user email -> {quota_bytes, quota_inodes}; what a user's entry leaves out is the default.")
+
+    @field_validator("quota_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value)
+
+    @field_validator("users", mode="before")
+    @classmethod
+    def _user_names(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            checked = {}
+            for name, limits in value.items():
+                try:
+                    checked[check_user(name)] = limits
+                except InvalidParams as exc:
+                    raise ValueError(f"storage.users: {exc.message}") from None
+            return checked
+        return value
+
+    def limits(self, user: str) -> tuple[int, int]:
+        """(bytes, inodes) ``user`` may hold."""
+        own = self.users.get(user)
+        if own is None:
+            return self.quota_bytes, self.quota_inodes
+        return (own.quota_bytes if own.quota_bytes is not None else self.quota_bytes,
+                own.quota_inodes if own.quota_inodes is not None else self.quota_inodes)
+
+
 def _resolve_ids(value: Any, lookup: Callable[[str], int], kind: str) -> Any:
     """A list of numeric ids or names (one bare item is a list of one) → numeric ids."""
     if value is None:
@@ -344,6 +414,7 @@ class Config(_Section):
     backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend; process runs tools UNSANDBOXED (serve needs allow_unsafe: [unsandboxed]).")
     allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed, mcp_http_remote.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
+    max_client_connections: int | None = Field(None, ge=1, description="Connections to the socket one client (one peer uid) may hold at once; past it a newcomer is refused (-32003). null = a quarter of what the file descriptor budget leaves for clients (docs/config.md, 'File descriptors').")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto: console on a terminal, JSON lines otherwise.")
     # A refused-connection flood from four sandboxes for 10 s: 4 x (100 + 10 x 10) lines, ~250 KB.
@@ -356,6 +427,7 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     egress: EgressConfig = Field(default_factory=EgressConfig)
     integrations: IntegrationsConfig = Field(default_factory=IntegrationsConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @field_validator("allowed_uids", mode="before")
     @classmethod

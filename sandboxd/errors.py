@@ -47,6 +47,12 @@ class BackendUnavailable(SandboxdError):
     code = -32002
 
 
+class QuotaExceeded(SandboxdError):
+    """The user's folders hold more than their quota (storage.*); their calls are refused until they hold less."""
+
+    code = -32004
+
+
 class UnsafeMount(BackendUnavailable):
     """A path sandboxd would mount into a sandbox is a link or not what it should be; the sandbox is not started."""
 

@@ -1,0 +1,429 @@
+"""Each user's share of the disk: where the kernel enforces it, and what the daemon measures.
+
+Two places hold what a user's sandboxes write that outlives a call: DATA_PATH/<user>
+("data") and the user's email folder ("email"). For each, at start-up:
+
+- hard: the filesystem is btrfs with quota on, and the daemon is root or the helper
+  (helper.py) answers: each user folder is a subvolume, and one qgroup per user holds them
+  and carries ``quota_bytes``; the kernel fails a write past it with EDQUOT. btrfs has no
+  file-count limit: files are metadata bytes, which the qgroup counts, so ``quota_inodes``
+  is measured (soft) beside it;
+- soft: usage is measured (usage.py) after each call and on an interval, in a worker
+  thread; a user over quota is refused new calls until they hold less.
+
+``auto`` takes hard where it can and says once which places fall back; ``hard`` stops
+start-up (exit 2) where it cannot, naming the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sandboxd.config import Config, email_db_path
+from sandboxd.errors import ConfigError, InvalidParams, QuotaExceeded
+from sandboxd.logging import get_logger
+from sandboxd.storage import btrfs
+from sandboxd.storage.usage import Usage, measure
+from sandboxd.users import check_user
+
+log = get_logger("sandboxd.storage")
+
+Mode = Literal["hard", "soft", "off"]
+OVER_RECHECK_S = 5.0  # how soon a user refused for their usage is let in again after cleaning up
+HELPER_TIMEOUT_S = 10.0
+_PROBE = "probe@example.invalid"
+
+
+@dataclass(frozen=True)
+class Area:
+    """One place users' folders live: ``root`` holds one folder per user (``folder(user)``)."""
+
+    name: str  # data | email
+    root: Path
+    per_user_root: bool  # False: each user's folder lies elsewhere (an email template like /srv/{user}/mail/)
+
+    def folder(self, config: Config, user: str) -> Path:
+        if self.name == "data":
+            return config.data_path / user
+        return email_db_path(config, user).parent
+
+
+def areas(config: Config) -> list[Area]:
+    email = email_db_path(config, _PROBE).parent
+    shared = email_db_path(config, "other-" + _PROBE).parent.parent == email.parent
+    return [Area("data", config.data_path, True), Area("email", email.parent, shared)]
+
+
+@dataclass(frozen=True)
+class Place:
+    """How an area is enforced on this host."""
+
+    area: Area
+    mode: Mode
+    how: str  # for the log and sandbox/status
+    fs_id: str | None = None  # the btrfs filesystem, when hard
+
+
+def _hard_problem(area: Area, *, privileged: bool) -> tuple[str | None, str | None]:
+    """(None, fs id) when ``area`` can be enforced by the kernel, else (why not and the fix, None)."""
+    if not area.per_user_root:
+        return (f"sandbox.email_db puts each user's email folder under a folder of that user's own ({area.root}); "
+                "use the default layout, {data_path}/email/{user}/emails.db", None)
+    try:
+        fd = os.open(area.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"{area.root} does not exist; create it on a btrfs filesystem", None
+    try:
+        fs_id = btrfs.filesystem_id(fd)
+    finally:
+        os.close(fd)
+    if fs_id is None:
+        return (f"{area.root} is not on a btrfs filesystem; put it on one with quota enabled "
+                "(docs/install.md, 'Disk quotas')", None)
+    if not btrfs.quota_enabled(fs_id):
+        return f"btrfs quota is not enabled on {area.root}; run: btrfs quota enable {area.root}", None
+    if not privileged:
+        return ("setting a qgroup limit needs root: run sandboxd as root, or install and start the helper "
+                "(make install; systemctl enable --now sandboxd-quota.socket)", None)
+    return None, fs_id
+
+
+def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[str, str]:
+    """Make ``user``'s folders subvolumes under one qgroup limited to their quota; area → what holds.
+
+    Runs as root (in the daemon, or in the helper for ``owner``, the daemon's uid and gid,
+    which then owns the folders it made). Each place that is not btrfs with quota is left
+    alone ("soft"); a folder made before the quota, a plain folder, is "plain" (measured).
+    """
+    user = check_user(user)
+    limit_bytes, _ = config.storage.limits(user)
+    groups: dict[str, int] = {}  # fs id → the user's qgroup on it
+    done: dict[str, str] = {}
+    for area in areas(config):
+        problem, fs_id = _hard_problem(area, privileged=True)
+        if problem is not None or fs_id is None:
+            done[area.name] = "soft"
+            continue
+        folder = area.folder(config, user)
+        root_fd = os.open(area.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fd, created = btrfs.open_subvolume(root_fd, folder.name, create=True)
+            except btrfs.NotASubvolume:
+                done[area.name] = "plain"
+                continue
+            try:
+                if created:  # the daemon owns what it mounts, and sets its ACLs (mounts.py)
+                    os.fchmod(fd, 0o700)  # first: once chowned, the helper would need CAP_FOWNER for it
+                    os.fchown(fd, *owner)
+                subvolume = btrfs.subvolume_id(fd)
+            finally:
+                os.close(fd)
+            group = groups.get(fs_id)
+            if group is None:
+                group = groups[fs_id] = btrfs.qgroup_id(1, subvolume)
+                btrfs.create_qgroup(root_fd, group)
+                btrfs.limit_qgroup(root_fd, group, limit_bytes)
+            btrfs.assign_qgroup(root_fd, btrfs.qgroup_id(0, subvolume), group)
+            done[area.name] = f"hard:{fs_id}:{group}"
+        finally:
+            os.close(root_fd)
+    return done
+
+
+def ask_helper(path: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """One request to the privileged helper (helper.py), one answer; OSError or ValueError on failure."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(HELPER_TIMEOUT_S)
+        sock.connect(str(path))
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    answer = json.loads(data)
+    if not isinstance(answer, dict):
+        raise ValueError("the quota helper's answer is not an object")
+    if "error" in answer:
+        raise ValueError(str(answer["error"]))
+    return answer
+
+
+@dataclass(frozen=True)
+class UserUsage:
+    usage: Usage
+    limit_bytes: int
+    limit_inodes: int
+    bytes_hard: bool  # the kernel holds this user's bytes (else they are measured)
+    measured_at: float
+
+    @property
+    def over_bytes(self) -> bool:
+        return not self.bytes_hard and self.usage.bytes > self.limit_bytes
+
+    @property
+    def over_inodes(self) -> bool:
+        return self.usage.inodes > self.limit_inodes
+
+    def at_bytes_limit(self) -> bool:
+        """Within 5 % (at least 1 MiB) of the byte limit: where btrfs fails writes (it reserves ahead)."""
+        return self.usage.bytes >= self.limit_bytes - max(1 << 20, self.limit_bytes // 20)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+class Storage:
+    """Enforces and measures each user's quota for the daemon (server.Server owns one)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.places: list[Place] = []
+        self.refusals = 0
+        self._usage: dict[str, UserUsage] = {}
+        self._provisioned: dict[str, dict[str, str]] = {}
+        self._plain_warned: set[str] = set()
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._via_helper = False
+        # One thread: measuring never takes more than one core's share, and never the event loop.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sandboxd-quota")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.storage.enforcement != "off"
+
+    @property
+    def hard(self) -> bool:
+        return any(place.mode == "hard" for place in self.places)
+
+    # -- start-up ----------------------------------------------------------------
+
+    def resolve(self) -> None:
+        """Decide, per area, what enforces the quota; log it. ConfigError when ``hard`` cannot be had (blocking)."""
+        storage = self.config.storage
+        wanted = storage.enforcement
+        if wanted == "off":
+            self.places = [Place(area, "off", "no quota (storage.enforcement: off)") for area in areas(self.config)]
+            log.warning("storage_quota_off", detail="users' folders may fill the disk: set storage.enforcement: auto")
+            return
+        for area in areas(self.config):
+            if area.name == "email" and area.per_user_root and area.root.is_relative_to(self.config.data_path):
+                area.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # as mounts.py would make it
+        privileged, helper_problem = self._privilege()
+        places, problems = [], []
+        for area in areas(self.config):
+            problem, fs_id = (_hard_problem(area, privileged=privileged) if wanted != "soft"
+                              else ("storage.enforcement is soft", None))
+            if problem is None:
+                places.append(Place(area, "hard", "btrfs qgroup (bytes); files measured, refused over quota_inodes"
+                                    + (" (through sandboxd-quota helper)" if self._via_helper else ""), fs_id))
+            else:
+                if helper_problem and "needs root" in problem:
+                    problem += f" ({helper_problem})"
+                places.append(Place(area, "soft", f"measured after each call; refused over quota ({problem})"))
+                if wanted != "soft":
+                    problems.append(f"{area.name} folders ({area.root}): {problem}")
+        if problems and wanted == "hard":
+            raise ConfigError("storage.enforcement is hard, and the kernel cannot enforce the quota for "
+                              + "; ".join(problems) + ". Fix that, or set storage.enforcement: auto or soft.")
+        self.places = places
+        for place in places:
+            log.info("storage_enforcement", area=place.area.name, path=str(place.area.root), enforcement=place.mode,
+                     how=place.how, quota_bytes=storage.quota_bytes, quota_inodes=storage.quota_inodes)
+        if problems:
+            log.warning("storage_quota_soft", places=problems,
+                        detail="usage is measured, not enforced by the kernel: a user can go over quota within a "
+                               "call, and is refused further calls until under it (docs/install.md, 'Disk quotas')")
+
+    def _privilege(self) -> tuple[bool, str | None]:
+        """(whether qgroups can be set, why the helper cannot when it was tried)."""
+        if os.geteuid() == 0:
+            return True, None
+        path = self.config.storage.helper_socket
+        try:
+            ask_helper(path, {"op": "check"})
+        except (OSError, ValueError) as exc:
+            return False, f"the helper at {path} did not answer: {exc}"
+        self._via_helper = True
+        return True, None
+
+    async def start(self) -> None:
+        """Measure every user once, then on the interval (a task on the running loop)."""
+        self._loop = asyncio.get_running_loop()
+        if self.enabled:
+            self._task = self._loop.create_task(self._measure_periodically())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- folders (called in the backend's worker thread, before a sandbox mounts them) --
+
+    def provision(self, user: str) -> None:
+        """Make ``user``'s folders under their quota, once per daemon run; BackendUnavailable-worthy OSError on failure."""
+        if not self.hard or user in self._provisioned:
+            return
+        with self._lock:
+            if user in self._provisioned:
+                return
+            if self._via_helper:
+                try:
+                    done = ask_helper(self.config.storage.helper_socket, {"op": "provision", "user": user})["areas"]
+                except (OSError, ValueError, KeyError) as exc:
+                    raise OSError(f"the quota helper could not prepare {user}'s folders ({exc}); "
+                                  "check `systemctl status sandboxd-quota.socket`") from None
+            else:
+                done = provision_user(self.config, user, (os.getuid(), os.getgid()))
+            self._provisioned[user] = done
+        plain = [name for name, state in done.items() if state == "plain"]
+        if plain and user not in self._plain_warned:
+            self._plain_warned.add(user)
+            log.warning("storage_folder_not_limited", user=user, areas=plain,
+                        detail="the folder was made before the quota, as a plain folder: its usage is measured, "
+                               "not enforced; to enforce it, stop sandboxd and recreate it as a subvolume "
+                               "(docs/install.md, 'Disk quotas')")
+
+    # -- usage -------------------------------------------------------------------
+
+    def _limits(self, user: str) -> tuple[int, int]:
+        return self.config.storage.limits(user)
+
+    def measure_now(self, user: str) -> UserUsage:
+        """Measure ``user``'s folders (blocking: a worker thread) and keep the figures."""
+        limit_bytes, limit_inodes = self._limits(user)
+        folders = [area.folder(self.config, user) for area in areas(self.config)]
+        usage = measure(folders, limit_inodes)
+        done = self._provisioned.get(user)
+        if done is None:  # no sandbox yet: its folders are made under the quota when the first one starts
+            bytes_hard = all(place.mode == "hard" for place in self.places)
+            hard = []
+        else:
+            hard = [state for state in done.values() if state.startswith("hard:")]
+            bytes_hard = len(hard) == len(done)
+        if bytes_hard and len(set(hard)) == 1:
+            _, fs_id, group = hard[0].split(":")
+            kernel = btrfs.qgroup_usage(fs_id, int(group))
+            if kernel is not None:  # what the kernel holds against the limit
+                usage = Usage(kernel[0], usage.inodes, usage.complete)
+        record = UserUsage(usage, limit_bytes, limit_inodes, bytes_hard, time.monotonic())
+        self._usage[user] = record
+        return record
+
+    def after_call(self, user: str) -> None:
+        """A call of ``user`` ended: measure them again, soon, off the loop (coalesced)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if user in self._pending:
+                return
+            self._pending.add(user)
+        self._executor.submit(self._measure_pending, user)
+
+    def _measure_pending(self, user: str) -> None:
+        with self._lock:
+            self._pending.discard(user)
+        try:
+            self.measure_now(user)
+        except Exception:
+            log.exception("storage_measure_failed", user=user)
+
+    async def _measure_periodically(self) -> None:
+        last_full = 0.0
+        while True:
+            if time.monotonic() - last_full >= self.config.storage.measure_interval_s:
+                last_full = time.monotonic()
+                for user in await asyncio.to_thread(self._users_on_disk):
+                    self.after_call(user)
+            else:
+                for user, record in list(self._usage.items()):
+                    if record.over_bytes or record.over_inodes:
+                        self.after_call(user)
+            await asyncio.sleep(min(OVER_RECHECK_S, self.config.storage.measure_interval_s))
+
+    def _users_on_disk(self) -> list[str]:
+        try:
+            names = os.listdir(self.config.data_path)
+        except OSError:
+            return []
+        users = []
+        for name in names:
+            try:
+                if check_user(name) == name:
+                    users.append(name)
+            except InvalidParams:
+                continue
+        return users
+
+    # -- calls -------------------------------------------------------------------
+
+    def refusal(self, user: str) -> QuotaExceeded | None:
+        """The error a new call of ``user`` gets while their last measurement is over quota; None to let it run."""
+        record = self._usage.get(user)
+        if record is None or not (record.over_bytes or record.over_inodes):
+            return None
+        self.refusals += 1
+        self.after_call(user)  # measured again now: a user who cleaned up is let in at the next call
+        usage = record.usage
+        if record.over_bytes:
+            what = (f"hold {_size(usage.bytes)}, over their quota of {_size(record.limit_bytes)} "
+                    "(storage.quota_bytes)")
+        else:
+            what = (f"hold {usage.inodes}{'+' if not usage.complete else ''} files and folders, over their quota of "
+                    f"{record.limit_inodes} (storage.quota_inodes)")
+        return QuotaExceeded(
+            f"{user}'s folders (/officer/user and /officer/data in a sandbox) {what}; new calls are refused until "
+            "they hold less. Delete files there (the operator: in DATA_PATH/<user> and the email folder), or raise "
+            "the quota (storage.users in the configuration).",
+            data={"user": user, "bytes": usage.bytes, "limitBytes": record.limit_bytes, "inodes": usage.inodes,
+                  "limitInodes": record.limit_inodes},
+        )
+
+    async def note(self, user: str) -> str | None:
+        """After a call that failed on a full disk: which quota it hit and how to free space; None if none is full."""
+        if not self.enabled:
+            return None
+        loop = asyncio.get_running_loop()
+        record = await loop.run_in_executor(self._executor, self.measure_now, user)
+        usage = record.usage
+        if record.at_bytes_limit():
+            what = f"hold {_size(usage.bytes)} of their {_size(record.limit_bytes)} quota (storage.quota_bytes)"
+        elif usage.inodes >= record.limit_inodes:
+            what = f"hold {usage.inodes} files and folders, their quota (storage.quota_inodes)"
+        else:
+            return None
+        return (f"sandboxd: this user's folders (/officer/user and /officer/data) {what}, so writes fail (EDQUOT or "
+                "ENOSPC). Delete files there to free space; the sandbox still works. "
+                + ("New calls are refused while over quota." if record.over_bytes or record.over_inodes else ""))
+
+    # -- status ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "enforcement": [{"area": p.area.name, "path": str(p.area.root), "mode": p.mode, "how": p.how}
+                            for p in self.places],
+            "refusals": self.refusals,
+            "users": {user: {"bytes": r.usage.bytes, "limitBytes": r.limit_bytes, "inodes": r.usage.inodes,
+                             "limitInodes": r.limit_inodes, "bytesEnforcedByKernel": r.bytes_hard,
+                             "over": r.over_bytes or r.over_inodes, "measuredAgoS": round(now - r.measured_at, 1)}
+                      for user, r in sorted(self._usage.items())},
+        }
