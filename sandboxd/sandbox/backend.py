@@ -112,6 +112,9 @@ class SandboxSpec:
     # The proxy a sandbox's traffic leaves through (it has no network of its own); None: no
     # way out is offered (a backend that cannot mount a socket into the sandbox offers none).
     egress: Egress | None = None
+    # Makes the user's folders under their disk quota before they are mounted (storage/quota.py);
+    # blocking, called where the folders are made. None: plain folders.
+    provision: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from sandboxd.config import Config, email_db_path, shim_line_bytes
 from sandboxd.sandbox.backend import Backend, Egress, SandboxSpec
@@ -30,7 +30,8 @@ def make_backend(config: Config, name: BackendName, *, instance: str, shim_dir: 
 
 
 def user_sandbox_spec(config: Config, user: str, *, egress: Egress | None = None,
-                      transpile_cache: Path | None = None) -> SandboxSpec:
+                      transpile_cache: Path | None = None,
+                      provision: Callable[[str], None] | None = None) -> SandboxSpec:
     """What a sandbox of ``user`` mounts: the global tools, the user's folder, tools and email database."""
     data = config.data_path
     return SandboxSpec(
@@ -42,4 +43,5 @@ def user_sandbox_spec(config: Config, user: str, *, egress: Egress | None = None
         root=data,
         egress=egress,
         transpile_cache=transpile_cache,
+        provision=provision,
     )

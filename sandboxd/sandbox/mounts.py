@@ -222,6 +222,8 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
     whole (email_dir); access it cannot be given is a warning, not a failed start.
     """
     root = spec.root
+    if spec.provision is not None:  # before anything below makes the user's folders as plain ones
+        spec.provision(spec.user)
     binds = [
         Bind(CONTAINER_TOOLS, _dir(root, spec.tools_dir, uid, R | X, 0o755), True),
         Bind(CONTAINER_USER, _dir(root, spec.user_dir, uid, R | W | X, 0o700), False),

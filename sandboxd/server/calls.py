@@ -26,15 +26,17 @@ import enum
 import functools
 import itertools
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from sandboxd.config import Config
 from sandboxd.egress.browser_relay import relay_for_call
 from sandboxd.egress.secrets import StandIns, value_problem
-from sandboxd.errors import BackendUnavailable, InvalidParams, Overloaded, SandboxdError, SandboxFailed, ShuttingDown
+from sandboxd.errors import (BackendUnavailable, InvalidParams, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed,
+                             ShuttingDown)
 from sandboxd.logging import get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
@@ -43,10 +45,16 @@ from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
 from sandboxd.tools.schema import sensitive_names, validate_arguments
 from sandboxd.users import check_user
 
+if TYPE_CHECKING:
+    from sandboxd.storage.quota import Storage
+
 log = get_logger("sandboxd.calls")
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
-_ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down"}
+_ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
+                                             QuotaExceeded: "over_quota"}
+# What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
+_DISK_FULL = re.compile(r"EDQUOT|ENOSPC|[Dd]isk quota exceeded|[Nn]o space left on device")
 
 
 class _Timeout(Exception):
@@ -293,6 +301,7 @@ class CallRunner:
         self.counts: dict[str, int] = {}
         # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
         self.on_call: Callable[[str, str, float, float | None], None] | None = None
+        self.storage: Storage | None = None  # the disk quota: refuses users over it, measures after calls
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
         """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
@@ -306,6 +315,9 @@ class CallRunner:
                 if ctx.cancel_reason is not None:  # cancelled before it got here
                     outcome = _not_started(ctx, started)
                 else:
+                    refused = self.storage.refusal(call.user) if self.storage is not None else None
+                    if refused is not None:  # over quota (measured): no sandbox is taken for a call that would add more
+                        raise refused
                     request = self._request(call, masked)
                     ctx.enter_queue()
                     queued_at = time.monotonic()
@@ -327,6 +339,13 @@ class CallRunner:
             error = exc.message if isinstance(exc, SandboxdError) else None
             self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
             raise
+        if self.storage is not None and ctx.sandbox is not None:
+            self.storage.after_call(call.user)
+            if outcome["isError"] and _DISK_FULL.search(json.dumps(outcome["content"])):
+                # Which quota the write hit, and how to free space; measured now, on failed calls only.
+                note = await self.storage.note(call.user)
+                if note is not None:
+                    outcome["content"] = [*outcome["content"], *text(note)]
         # Logged and counted just after the answer is written, like the release.
         asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome

@@ -33,6 +33,7 @@ from sandboxd.server.watch import ToolWatch
 from sandboxd.service import systemd
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.peercred import PeerPolicy
+from sandboxd.storage.quota import Storage
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
 from sandboxd.tools.transpile_cache import TranspileCache, transpile_bin_dir
@@ -82,12 +83,15 @@ class Server:
         self.peer_policy = PeerPolicy.from_config(config)
         # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
         self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
+        self.storage = Storage(config)  # each user's disk quota: enforced by the kernel, or measured
+        self.runner.storage = self.storage
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
 
     def spec_for(self, user: str) -> SandboxSpec:
-        return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory)
+        return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory,
+                                 provision=self.storage.provision)
 
     # -- startup ---------------------------------------------------------------
 
@@ -103,6 +107,8 @@ class Server:
         await asyncio.to_thread(self._migrate_email_dbs)
         self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
         self._check_data_path_mount()
+        await asyncio.to_thread(self.storage.resolve)  # `enforcement: hard` that cannot be had stops start-up here
+        await self.storage.start()
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
         self._owns_socket_file = listen_socket is None
@@ -239,6 +245,7 @@ class Server:
             "callsInFlight": len(self.calls.in_flight),
             "calls": dict(self.runner.counts),
             "pool": self.pool.status(),
+            "storage": self.storage.status(),
             "limits": {
                 "maxPerUser": cfg.pool.max_per_user,
                 "maxTotal": cfg.pool.max_total,
@@ -385,6 +392,7 @@ class Server:
         self.egress.close()
         self.catalog.close()  # a scan still running in a worker is not waited for
         self.transpile_cache.stop()
+        self.storage.close()
         if self._data_lock is not None:
             os.close(self._data_lock)
             self._data_lock = None

@@ -119,9 +119,29 @@ class _ServerCollector:
         yield dropped
         yield CounterMetricFamily("sandboxd_orphans_reaped", "Containers left by an earlier run, removed at start-up.",
                                   value=daemon.orphans_reaped)
+        yield from _storage_metrics(whole.get("storage"))
         info = GaugeMetricFamily("sandboxd_build_info", "Always 1; the labels say what runs.", labels=["version", "backend"])
         info.add_metric([__version__, whole["backend"]], 1)
         yield info
+
+
+def _storage_metrics(storage: Mapping[str, Any] | None) -> Iterator[Metric]:
+    """Each user's disk usage and quota (storage/quota.py). By user: only users with folders on disk have a
+    row, and an operator needs to know whose folders fill the disk."""
+    if storage is None:
+        return
+    families = [GaugeMetricFamily(name, help_text, labels=["user"]) for name, help_text in (
+        ("sandboxd_user_disk_bytes", "Bytes a user's folders hold (DATA_PATH/<user> and the email folder), as last measured."),
+        ("sandboxd_user_disk_limit_bytes", "A user's byte quota (storage.quota_bytes)."),
+        ("sandboxd_user_disk_inodes", "Files and folders a user's folders hold, as last measured."),
+        ("sandboxd_user_disk_limit_inodes", "A user's file quota (storage.quota_inodes)."),
+    )]
+    for user, row in storage["users"].items():
+        for family, key in zip(families, ("bytes", "limitBytes", "inodes", "limitInodes")):
+            family.add_metric([user], row[key])
+    yield from families
+    yield CounterMetricFamily("sandboxd_quota_refusals", "Calls refused because the user's folders were over quota.",
+                              value=storage["refusals"])
 
 
 class Metrics:
