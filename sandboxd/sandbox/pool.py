@@ -315,7 +315,7 @@ class Pool:
                         starting={user: self._count(user, STARTING) for user in queues},
                         owned={user: len(self._of_user.get(user, ())) for user in queues},
                         total=len(self._sandboxes), held_total=held_total,
-                        room_coming=sum(1 for p in self._sandboxes if p.state is STOPPING))
+                        stopping=sum(1 for p in self._sandboxes if p.state is STOPPING))
         serve_fairly(queues, idle_of, {waiter: i for i, waiter in enumerate(self._waiters)}, counts,
                      max_per_user=self.config.max_per_user, max_total=self.config.max_total,
                      ceiling=self._ceiling(),

@@ -43,7 +43,7 @@ class Counts:
     owned: dict[str, int]  # each waiting user's sandboxes in any state (for max_per_user)
     total: int  # sandboxes in the pool, in any state (for max_total)
     held_total: int  # sandboxes held for calls, in all (for the ceiling)
-    room_coming: int  # sandboxes being destroyed: room on its way
+    stopping: int  # sandboxes being destroyed: each frees a slot once the engine has removed it
 
 
 def serve_fairly(queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
@@ -74,8 +74,8 @@ def serve_fairly(queues: dict[str, collections.deque[Waiter]], idle_of: dict[str
                 act.start(user)
                 counts.owned[user] += 1
                 counts.total += 1
-            elif counts.room_coming:
-                counts.room_coming -= 1
+            elif counts.stopping:
+                counts.stopping -= 1
                 claimed[user] += 1
             else:
                 victim = _victim(user, held, queues, idle_of)

@@ -29,7 +29,7 @@ class Recorded:
 
 def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: dict[str, list[float]] | None = None,
           owned: dict[str, int] | None = None, starting: dict[str, int] | None = None, total: int = 0,
-          held_total: int | None = None, room_coming: int = 0, max_per_user: int = 4, max_total: int = 8,
+          held_total: int | None = None, stopping: int = 0, max_per_user: int = 4, max_total: int = 8,
           reserve: int = 0) -> list[tuple[str, str]]:
     """``waiting``: callers per user, queued in that order; ``idle``: each user's idle sandboxes by ``since``."""
     loop = asyncio.new_event_loop()
@@ -48,7 +48,7 @@ def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: 
                         owned={user: (owned or {}).get(user, held[user] + len(idle_of.get(user, ())))
                                for user in queues},
                         total=total, held_total=sum(held.values()) if held_total is None else held_total,
-                        room_coming=room_coming)
+                        stopping=stopping)
         seen = Recorded()
         serve_fairly(queues, idle_of, arrival, counts, max_per_user=max_per_user, max_total=max_total,
                      ceiling=max_total - reserve, act=Actions(hand=seen.hand, start=seen.start, evict=seen.evict))
@@ -88,7 +88,7 @@ def test_a_full_pool_evicts_a_quiet_users_spares_first_then_one_of_who_holds_mor
 
 
 def test_room_on_its_way_is_claimed_before_anything_is_evicted() -> None:
-    assert serve({"a": 1}, idle={"q": [1.0]}, total=8, room_coming=1) == []
+    assert serve({"a": 1}, idle={"q": [1.0]}, total=8, stopping=1) == []
 
 
 def test_nothing_is_taken_from_a_user_holding_no_more_than_the_caller() -> None:
