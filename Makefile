@@ -139,17 +139,21 @@ install: image
 	sed -e 's|/usr/bin/env sandboxd|$(PREFIX)/bin/sandboxd|' -e 's|/opt/sandboxd|$(PREFIX)|g' \
 	  packaging/systemd/sandboxd.service > $(UNIT_DIR)/sandboxd.service
 	install -m 0644 packaging/systemd/sandboxd.socket $(UNIT_DIR)/sandboxd.socket
+	@# The disk quota helper (docs/install.md, "Disk quotas"): socket-activated, root with three capabilities.
+	sed 's|/usr/bin/env python3|$(PREFIX)/bin/python|' packaging/systemd/sandboxd-quota@.service > $(UNIT_DIR)/sandboxd-quota@.service
+	install -m 0644 packaging/systemd/sandboxd-quota.socket $(UNIT_DIR)/sandboxd-quota.socket
 	install -d -m 0750 -g sandboxd $(CONFIG_DIR)
 	test -e $(CONFIG_DIR)/config.yaml || { sed 's|/opt/sandboxd|$(PREFIX)|g' packaging/config.yaml > $(CONFIG_DIR)/config.yaml \
 	  && chgrp sandboxd $(CONFIG_DIR)/config.yaml && chmod 0640 $(CONFIG_DIR)/config.yaml; }
-	systemd-analyze verify $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket
+	systemd-analyze verify $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket $(UNIT_DIR)/sandboxd-quota.socket
 	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "installed. Next: systemctl enable --now sandboxd.socket sandboxd.service (docs/install.md)"
 
 uninstall:
 	@test "$$(id -u)" -eq 0 || { echo "make uninstall: run it as root (sudo make uninstall)" >&2; exit 1; }
-	if [ -d /run/systemd/system ]; then systemctl disable --now sandboxd.service sandboxd.socket || true; fi
-	rm -f $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket $(SYSUSERS_DIR)/sandboxd.conf
+	if [ -d /run/systemd/system ]; then systemctl disable --now sandboxd.service sandboxd.socket sandboxd-quota.socket || true; fi
+	rm -f $(UNIT_DIR)/sandboxd.service $(UNIT_DIR)/sandboxd.socket $(UNIT_DIR)/sandboxd-quota.socket \
+	  $(UNIT_DIR)/sandboxd-quota@.service $(SYSUSERS_DIR)/sandboxd.conf
 	if [ "$$(readlink $(LINK_DIR)/sandboxd)" = "$(PREFIX)/bin/sandboxd" ]; then rm -f $(LINK_DIR)/sandboxd; fi
 	rm -rf $(PREFIX)
 	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi

@@ -1,0 +1,118 @@
+"""The privileged quota helper's request handling (storage/helper.py) and btrfs provisioning on a loop filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.config import load_config
+from sandboxd.storage import btrfs
+from sandboxd.storage.helper import handle, serve_connection
+from sandboxd.storage.quota import Storage, provision_user
+
+from tests.loopfs import MIB, loop_devices_usable, loop_filesystem
+
+ME, MY_GROUP = os.getuid(), os.getgid()
+
+
+def _config(data: Path, **storage: Any) -> Any:
+    return load_config(environ={}, overrides={"data_path": data, "storage": storage})
+
+
+def _ask(line: bytes, data: Path, *, uid: int = ME) -> dict[str, Any]:
+    return handle(line, uid, MY_GROUP, daemon_uid=ME, config=_config(data))
+
+
+def test_only_the_daemons_uid_is_served(tmp_path: Path) -> None:
+    answer = _ask(b'{"op": "check"}', tmp_path, uid=ME + 1)
+    assert "is not the sandboxd daemon's" in answer["error"]
+    assert _ask(b'{"op": "check"}', tmp_path) == {"ok": True}
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    (b"not json", "not a JSON line"),
+    (b'["provision"]', "must be"),
+    (b'{"op": "provision", "user": "a@x.io", "path": "/etc"}', "must be"),  # never a path from the caller
+    (b'{"op": "chown"}', "unknown op"),
+    (b'{"op": "provision", "user": "../../etc@x"}', "is not an email address"),
+    (b'{"op": "provision", "user": "a@x.io/../b"}', "is not an email address"),
+    (b'{"op": "provision", "user": "Alice@X.io"}', "checked (lower-case) form"),
+    (b'{"op": "provision", "user": 7}', "must be a string"),
+])
+def test_requests_other_than_a_checked_user_name_are_refused(tmp_path: Path, line: bytes, words: str) -> None:
+    answer = _ask(line, tmp_path)
+    assert words in answer["error"], answer
+    assert os.listdir(tmp_path) == []  # nothing was made
+
+
+def test_a_provision_request_on_a_filesystem_without_quota_changes_nothing(tmp_path: Path) -> None:
+    assert _ask(b'{"op": "provision", "user": "a@x.io"}', tmp_path) == {"ok": True, "areas": {"data": "soft", "email": "soft"}}
+    assert not (tmp_path / "a@x.io").exists()
+
+
+def test_one_request_one_answer_over_a_socket_with_the_peers_credentials(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b'{"op": "check"}\n')
+        serve_connection(ours, daemon_uid=ME, config=_config(tmp_path))
+        assert json.loads(theirs.recv(4096)) == {"ok": True}
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"x" * 5000)  # no newline within the bound: refused, not read for ever
+        serve_connection(ours, daemon_uid=ME, config=_config(tmp_path))
+        assert "longer than" in json.loads(theirs.recv(4096))["error"]
+
+
+BTRFS_PROBLEM = loop_devices_usable("btrfs")
+
+
+@pytest.mark.skipif(bool(BTRFS_PROBLEM), reason=str(BTRFS_PROBLEM))
+def test_provisioning_makes_subvolumes_under_one_limited_qgroup_per_user(tmp_path: Path) -> None:
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data:
+        config = _config(data, quota_bytes="20m", enforcement="hard", users={"big@x.io": {"quota_bytes": "40m"}})
+        store = Storage(config)
+        store.resolve()  # as root on btrfs with quota: hard, in-process
+        assert [(p.area.name, p.mode) for p in store.places] == [("data", "hard"), ("email", "hard")]
+        (data / "old@x.io").mkdir()  # made before the quota
+        done = provision_user(config, "a@x.io", (1234, 5678))
+        assert done["data"] == done["email"] and done["data"].startswith("hard:")
+        user, mail = data / "a@x.io", data / "email" / "a@x.io"
+        for folder in (user, mail):
+            info = os.stat(folder)
+            assert info.st_ino == btrfs.SUBVOLUME_ROOT_INO and (info.st_uid, info.st_gid) == (1234, 5678)
+            assert info.st_mode & 0o777 == 0o700
+        fs_id, group = done["data"].split(":")[1:]
+        assert btrfs.qgroup_usage(fs_id, int(group)) is not None
+        assert btrfs.qgroup_usage(fs_id, int(group))[1] == 20 * MIB  # type: ignore[index]
+        assert provision_user(config, "a@x.io", (1234, 5678)) == done  # again: nothing new
+        big = provision_user(config, "big@x.io", (0, 0))["data"].split(":")[2]
+        assert btrfs.qgroup_usage(fs_id, int(big))[1] == 40 * MIB  # type: ignore[index]
+        assert provision_user(config, "old@x.io", (0, 0))["data"] == "plain"
+        # The kernel holds the limit for data and mail together.
+        with open(user / "f", "wb") as first:
+            first.write(b"x" * 12 * MIB)
+            os.fsync(first.fileno())
+        with pytest.raises(OSError) as full, open(mail / "g", "wb") as second:
+            for _ in range(12):
+                second.write(b"y" * MIB)
+                second.flush()
+                os.fsync(second.fileno())
+        assert full.value.errno == 122  # EDQUOT
+        store.provision("a@x.io")
+        assert store.measure_now("a@x.io").at_bytes_limit()
+        store.close()
+
+
+def test_peer_credentials_are_the_kernels() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        from sandboxd.storage.helper import peer
+
+        assert peer(ours)[1:] == (ME, MY_GROUP)
+        assert struct.calcsize("3i") == 12
