@@ -14,6 +14,11 @@ is (``budget=source(...)``); each source has a token bucket of lines (``log_rate
 second, ``log_burst`` at once), what is over it is dropped before it costs any
 rendering, and one ``log_lines_dropped`` line per interval says what was dropped, by
 whom. The metrics count every event regardless.
+
+A person at a terminal gets console lines (colours unless ``NO_COLOR``); the service and
+a pipe get JSON lines (``log_format``). Console lines carry a sandbox's own text (its
+stderr, its errors), so control characters are escaped there as JSON escapes them:
+a tool must not drive the operator's terminal.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable, Iterable, Iterator, MutableMapping
@@ -192,12 +198,53 @@ def within_budget(_logger: Any, name: str, event: MutableMapping[str, Any]) -> M
     return event
 
 
+class _Shown:
+    """A string the console renderer prints as ``repr()`` has it: quoted, each unprintable character escaped."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, value: str) -> None:
+        self._text = repr(value)
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _escape_lines(text: str) -> str:
+    """The event and a traceback are printed as they are: escape what a terminal acts on, keep their lines."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
+
+
+def escape_controls(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Console output only: no control character (ESC, BEL, C1 CSI, bidi overrides, ...) reaches the terminal raw.
+
+    The renderer prints a plain string value as it is; one with such characters is shown as repr() shows
+    it. Containers are rendered with repr() already."""
+    for key, value in event.items():
+        if not isinstance(value, str) or value.isprintable():
+            continue
+        event[key] = _escape_lines(value) if key in ("event", "exception") else _Shown(value)
+    return event
+
+
+def _wants_colours(tty: bool) -> bool:
+    """Colour for a person at a terminal that can show it, unless they opted out (https://no-color.org)."""
+    return tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
+
+
 def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None) -> None:
+    """``fmt``: ``console`` (lines for a person), ``json`` (lines for journald and tools), or ``auto``:
+    console when ``stream`` (stderr by default) is a terminal, JSON otherwise."""
     stream = stream or sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    tty = bool(isatty is not None and isatty())
     if fmt == "auto":
-        fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else structlog.processors.JSONRenderer()
+        fmt = "console" if tty else "json"
+    rendering: list[Any] = (
+        [escape_controls, structlog.dev.ConsoleRenderer(colors=_wants_colours(tty))] if fmt == "console"
+        else [structlog.processors.JSONRenderer()]  # json.dumps escapes control characters itself
     )
     structlog.configure(
         processors=[
@@ -207,7 +254,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             redact,  # last before rendering, so nothing added earlier escapes it
-            renderer,
+            *rendering,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(stream),

@@ -89,3 +89,17 @@ def test_lines_over_budget_are_never_rendered_and_the_budget_key_never_is() -> N
         assert lines_dropped()["sandbox"] >= 47  # the metrics' count, since start
     finally:
         set_log_budget(rate=10, burst=100)
+
+
+def test_auto_is_json_off_a_terminal_and_console_has_no_colour_there() -> None:
+    stream = io.StringIO()  # not a terminal
+    configure_logging("info", "auto", stream)
+    get_logger("test").info("piped", value="\x1b[2J")
+    assert json.loads(stream.getvalue())["value"] == "\x1b[2J"
+    assert "\x1b" not in stream.getvalue()  # json escapes it
+    stream = io.StringIO()
+    configure_logging("info", "console", stream)
+    get_logger("test").info("asked", plain="x", hostile="\x1b]0;t\x07", spaced="a \x1b[2J b", bidi="a\u202eb")
+    text = stream.getvalue()
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text  # no colour either: not a terminal
+    assert "plain=x" in text and r"hostile='\x1b]0;t\x07'" in text and r"bidi='a\u202eb'" in text
