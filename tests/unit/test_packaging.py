@@ -26,7 +26,8 @@ def unit(name: str) -> configparser.ConfigParser:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing; scripts/ci-deps.sh installs it")
 def test_systemd_analyze_verify_accepts_the_units_as_shipped() -> None:
     units = sorted(str(p) for p in (PACKAGING / "systemd").iterdir())
-    assert [Path(u).name for u in units] == ["sandboxd.service", "sandboxd.socket"]
+    assert [Path(u).name for u in units] == ["sandboxd-quota.socket", "sandboxd-quota@.service", "sandboxd.service",
+                                             "sandboxd.socket"]
     proc = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
 
@@ -35,6 +36,18 @@ def test_make_install_points_execstart_at_the_installed_binary() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert "ExecStart=/usr/bin/env sandboxd serve" in (PACKAGING / "systemd" / "sandboxd.service").read_text()
     assert "s|/usr/bin/env sandboxd|$(PREFIX)/bin/sandboxd|" in makefile
+
+
+def test_the_quota_helper_is_installed_with_only_the_capabilities_it_needs() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    helper = unit("sandboxd-quota@.service")["Service"]
+    assert helper["ExecStart"].startswith("/usr/bin/env python3 -m sandboxd.storage.helper")
+    assert "s|/usr/bin/env python3|$(PREFIX)/bin/python|' packaging/systemd/sandboxd-quota@.service" in makefile
+    assert helper["CapabilityBoundingSet"].split() == ["CAP_SYS_ADMIN", "CAP_CHOWN", "CAP_DAC_OVERRIDE"]
+    assert helper["StandardInput"] == "socket" and helper["PrivateNetwork"] == "yes"
+    socket_unit = unit("sandboxd-quota.socket")["Socket"]
+    assert socket_unit["Accept"] == "yes" and socket_unit["SocketMode"] == "0660"
+    assert socket_unit["ListenStream"] == str(load_config(environ={}).storage.helper_socket)
 
 
 def test_the_example_config_loads_and_matches_the_units() -> None:
