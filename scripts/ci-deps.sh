@@ -9,6 +9,8 @@ set -euo pipefail
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# mkfs.btrfs and btrfs: the disk quota's tests make btrfs filesystems on loop devices (test_disk_quota.py).
+command -v mkfs.btrfs >/dev/null 2>&1 || missing+=(btrfs-progs)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
@@ -24,4 +26,4 @@ apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
   systemctl disable --now prometheus.service >/dev/null 2>&1 || true
 fi
-command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v promtool >/dev/null
+command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v mkfs.btrfs >/dev/null && command -v promtool >/dev/null
