@@ -49,7 +49,6 @@ AUTO_SANDBOX_ID = 2_000_000_000
 # are the host's own files: one folder per user, and the file named as tools expect it.
 DEFAULT_EMAIL_DB = "{data_path}/email/{user}/emails.db"
 EMAIL_DB_NAME = "emails.db"
-LEGACY_EMAIL_DB = "{data_path}/{user}/emails.db"
 
 
 # Sandboxes have no network of their own (loopback only): their traffic leaves through the

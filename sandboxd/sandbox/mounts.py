@@ -307,50 +307,5 @@ def _dir(root: Path | None, path: Path, uid: int, perms: int, mode: int) -> str:
     return checked
 
 
-# SQLite's companions of a database: moved with it, or the move could lose what they hold.
+# SQLite's companions of a database: the sandbox uid needs access to them as to the database.
 _SQLITE_SIDECARS = ("", "-wal", "-shm", "-journal")
-
-
-def migrate_email_db(legacy: Path, target: Path) -> str | None:
-    """Move a database from its old place in the user's data folder to ``target``, once.
-
-    Only a regular file moves, never through a link (a sandbox could have planted one);
-    nothing happens when ``target`` exists. Returns what was done, for the log, or None.
-    """
-    try:
-        info = os.lstat(legacy)
-    except FileNotFoundError:
-        return None
-    if os.path.lexists(target):
-        return None
-    if not stat.S_ISREG(info.st_mode):
-        return f"left {legacy} in place: it is not a regular file (a link a sandbox may have made); not mounted"
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for suffix in _SQLITE_SIDECARS:
-        source, dest = Path(f"{legacy}{suffix}"), Path(f"{target}{suffix}")
-        if suffix and not (os.path.lexists(source) and stat.S_ISREG(os.lstat(source).st_mode)):
-            continue
-        try:
-            os.rename(source, dest)  # rename(2) moves a link itself, never its target
-        except OSError as exc:
-            if exc.errno != 18:  # EXDEV: another filesystem, copied below
-                raise
-            _copy_no_follow(source, dest)
-            os.unlink(source)
-    return f"moved {legacy} to {target}"
-
-
-def _copy_no_follow(source: Path, dest: Path) -> None:
-    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeMount(f"{source} is not a regular file; it was not moved.")
-        partial = dest.with_name(dest.name + ".partial")
-        with open(fd, "rb", closefd=False) as src, open(partial, "xb") as out:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, dest)
-    finally:
-        os.close(fd)

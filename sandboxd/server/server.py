@@ -13,17 +13,15 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from sandboxd import __version__
-from sandboxd.config import LEGACY_EMAIL_DB, Config, email_db_path
+from sandboxd.config import Config
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
-from sandboxd.sandbox.mounts import migrate_email_db
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
 from sandboxd.server.connection import Connection, RefusedPeers
@@ -104,7 +102,6 @@ class Server:
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self.backend.preflight()  # a rootless or remote engine: one line now, not an error per call
         await self._remove_orphans()
-        await asyncio.to_thread(self._migrate_email_dbs)
         self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
         self._check_data_path_mount()
         await asyncio.to_thread(self.storage.resolve)  # `enforcement: hard` that cannot be had stops start-up here
@@ -174,28 +171,6 @@ class Server:
         if missing:
             log.warning("data_path_allows_setuid", data_path=str(path), missing=missing,
                         hint="mount the data path nosuid,nodev (docs/install.md, 'The sandbox uid')")
-
-    def _migrate_email_dbs(self) -> None:
-        """Move each DATA_PATH/<user>/emails.db (the old default, which sandboxes can write) to sandbox.email_db, once."""
-        data = self.config.data_path
-        try:
-            names = os.listdir(data)
-        except OSError:
-            return
-        for name in names:
-            try:
-                if check_user(name) != name:
-                    continue  # not a folder sandboxd makes for a user
-            except InvalidParams:
-                continue
-            legacy = Path(LEGACY_EMAIL_DB.format(data_path=data, user=name))
-            try:
-                action = migrate_email_db(legacy, email_db_path(self.config, name))
-            except OSError as exc:
-                log.warning("email_db_migration_failed", user=name, error=str(exc))
-                continue
-            if action is not None:
-                log.info("email_db_migrated", user=name, action=action)
 
     def _bind_socket(self) -> socket.socket:
         return bind_unix_socket(

@@ -1,4 +1,4 @@
-"""Bind sources no sandbox can redirect (sandbox/mounts.py), the email database's place, its migration."""
+"""Bind sources no sandbox can redirect (sandbox/mounts.py), and the email database's place."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from sandboxd.config import AUTO_SANDBOX_ID, email_db_path, load_config
 from sandboxd.errors import ConfigError, UnsafeMount
 from sandboxd.sandbox.backend import CONTAINER_EMAIL_DIR, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
-from sandboxd.sandbox.mounts import (ACCESS_ACL, DEFAULT_ACL, R, W, X, acl_users, grant_access, migrate_email_db,
+from sandboxd.sandbox.mounts import (ACCESS_ACL, DEFAULT_ACL, R, W, X, acl_users, grant_access,
                                      open_beneath, sandbox_binds)
 
 ALICE, MALLORY = "alice@example.com", "mallory@example.com"
@@ -170,29 +170,6 @@ def test_the_operators_own_link_above_the_root_is_followed(tmp_path: Path) -> No
     fd, checked = open_beneath(tmp_path / "data", tmp_path / "data" / "email" / ALICE / "emails.db", "file")
     os.close(fd)
     assert checked == str(real.resolve() / "email" / ALICE / "emails.db")
-
-
-def test_a_legacy_database_moves_once_with_its_wal(tmp_path: Path) -> None:
-    legacy = make_db(tmp_path / ALICE / "emails.db", "mail")
-    make_db(tmp_path / ALICE / "emails.db-wal", "wal")
-    target = tmp_path / "email" / ALICE / "emails.db"
-    assert migrate_email_db(legacy, target) == f"moved {legacy} to {target}"
-    assert target.read_text() == "mail" and Path(f"{target}-wal").read_text() == "wal"
-    assert not legacy.exists()
-    # Once: a new file at the old place (a tool's own) is never taken for the database.
-    make_db(legacy, "a tool's file")
-    assert migrate_email_db(legacy, target) is None
-    assert target.read_text() == "mail"
-
-
-def test_a_legacy_link_is_left_where_it_is(tmp_path: Path) -> None:
-    make_db(tmp_path / ALICE / "emails.db", "alice's mail")
-    (tmp_path / MALLORY).mkdir()
-    legacy = tmp_path / MALLORY / "emails.db"
-    legacy.symlink_to(f"../{ALICE}/emails.db")
-    target = tmp_path / "email" / MALLORY / "emails.db"
-    assert "not a regular file" in (migrate_email_db(legacy, target) or "")
-    assert not os.path.lexists(target)
 
 
 def test_docs_recipe_a_mail_sync_user_granted_on_the_email_root_reaches_every_users_folder(tmp_path: Path) -> None:
