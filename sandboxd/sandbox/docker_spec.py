@@ -25,6 +25,7 @@ from sandboxd.sandbox.backend import (
     sandbox_env,
 )
 from sandboxd.sandbox.mounts import Bind
+from sandboxd.sandbox.seccomp import sandbox_profile
 from sandboxd.tools.transpile_cache import CACHE_ENV
 
 LABEL_MANAGED = "org.sandboxd.managed"
@@ -105,6 +106,9 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
         if spec.egress is not None:  # the shim routes fetch, http(s) and child processes through it
             environment["SANDBOXD_EGRESS_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{EGRESS_SOCKET_NAME}"
+    security_opt = ["no-new-privileges"] if config.no_new_privileges else []
+    if not gvisor:  # runsc filters its Sentry's host syscalls itself; it reads an OCI profile only with --oci-seccomp
+        security_opt.append(f"seccomp={sandbox_profile()}")
     host_config: dict[str, Any] = dict(
         mounts=mounts,
         # /officer/data is the email database's host folder (in binds): SQLite's journal and WAL go there.
@@ -112,7 +116,7 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         read_only=config.read_only_root,
         cap_drop=["ALL"],
         cap_add=config.cap_add or None,
-        security_opt=["no-new-privileges"] if config.no_new_privileges else None,
+        security_opt=security_opt or None,
         mem_limit=config.memory,
         memswap_limit=config.memory,  # no swap: the limit is the limit
         # The CFS quota itself rather than nano_cpus (the same limit), because only a quota can be

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from sandboxd.sandbox.docker_spec import (
     esbuild_source_spec,
 )
 from sandboxd.sandbox.mounts import Bind
+from sandboxd.sandbox.seccomp import sandbox_profile
 
 
 class _NoEgress:
@@ -29,7 +31,7 @@ class _NoEgress:
 
 
 def make(tmp_path: Path, *, shim_dir: Path | None = Path("/run/s/x"), egress: bool = True,
-         cache: bool = True, **settings: Any) -> ContainerSpec:
+         cache: bool = True, gvisor: bool = False, **settings: Any) -> ContainerSpec:
     spec = SandboxSpec(user="a@example.com", tools_dir=tmp_path / "tools", user_dir=tmp_path / "a@example.com",
                        user_tools_dir=tmp_path / "a@example.com" / "tools", email_db=None, root=tmp_path,
                        read_only_mounts=((tmp_path / "one", "/officer/user/tools/one"),),
@@ -37,13 +39,13 @@ def make(tmp_path: Path, *, shim_dir: Path | None = Path("/run/s/x"), egress: bo
                        egress=_NoEgress() if egress else None)
     binds = [Bind("/officer/user", str(tmp_path / "a@example.com"), read_only=False)]
     return container_spec(SandboxConfig(**settings), spec, instance="abc123", name="sandboxd-abc-1", binds=binds,
-                          shim_dir=shim_dir, network="none")
+                          shim_dir=shim_dir, network="none", gvisor=gvisor)
 
 
 def test_the_default_container_is_hardened_flag_by_flag(tmp_path: Path) -> None:
     host = make(tmp_path).host_config
     assert host["cap_drop"] == ["ALL"] and host["cap_add"] is None
-    assert host["security_opt"] == ["no-new-privileges"]
+    assert host["security_opt"] == ["no-new-privileges", f"seccomp={sandbox_profile()}"]
     assert host["read_only"] is True
     assert host["mem_limit"] == host["memswap_limit"] == "256m"  # no swap
     assert (host["cpu_period"], host["cpu_quota"]) == (100_000, 100_000)  # one CPU
@@ -67,11 +69,11 @@ def test_the_container_runs_as_the_sandbox_uid_labelled_as_this_daemon_s(tmp_pat
 
 
 def test_settings_reach_their_flags(tmp_path: Path) -> None:
-    made = make(tmp_path, memory="96m", cpus=0.25, pids_limit=4096, runtime="runsc", read_only_root=False,
+    made = make(tmp_path, gvisor=True, memory="96m", cpus=0.25, pids_limit=4096, runtime="runsc", read_only_root=False,
                 no_new_privileges=False, cap_add=["NET_RAW"], user="1000:1000", init=False, tmp_size="8m")
     host, container = made.host_config, made.container
     assert (host["mem_limit"], host["memswap_limit"], host["cpu_quota"], host["pids_limit"]) == ("96m", "96m",
-                                                                                                 25_000, 4096)
+                                                                                                 25_000, 4096 + 256)
     assert host["runtime"] == "runsc" and host["read_only"] is False and host["security_opt"] is None
     assert host["cap_add"] == ["NET_RAW"] and host["init"] is False
     assert host["tmpfs"]["/tmp"].endswith("size=8m")
@@ -132,6 +134,17 @@ def test_attach_frames_survive_reads_cut_anywhere(cut: int) -> None:
     for offset in range(0, len(stream), cut):
         got += frames.feed(stream[offset:offset + cut])
     assert got == [(STDOUT, b"ready\n"), (2, b"a tool's line"), (STDOUT, b""), (2, b"x" * 20)]
+
+
+def test_runc_sandboxes_get_sandboxd_s_seccomp_profile_and_gvisor_keeps_its_own(tmp_path: Path) -> None:
+    runc = make(tmp_path).host_config["security_opt"]
+    profiles = [json.loads(opt.removeprefix("seccomp=")) for opt in runc if opt.startswith("seccomp=")]
+    assert len(profiles) == 1 and profiles[0]["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert not any("ioctl" in rule["names"] and "args" not in rule for rule in profiles[0]["syscalls"])
+    # Also without no-new-privileges: the profile does not depend on it.
+    assert make(tmp_path, no_new_privileges=False).host_config["security_opt"] == [f"seccomp={sandbox_profile()}"]
+    gvisor = make(tmp_path, gvisor=True, runtime="runsc").host_config["security_opt"]
+    assert gvisor == ["no-new-privileges"]
 
 
 def test_only_a_gvisor_sandbox_joins_its_folders_groups(tmp_path: Path) -> None:
