@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -50,4 +51,8 @@ def loop_filesystem(where: Path, kind: str, size_mib: int) -> Iterator[Path]:
             subprocess.run(["losetup", "--detach", loop], capture_output=True)
         image.unlink(missing_ok=True)
     assert f" {where} " not in Path("/proc/mounts").read_text(), f"{where} is still mounted"
+    # The kernel lets go of a loop device shortly after its last user (a lazy unmount, udev's probe).
+    deadline = time.monotonic() + 10
+    while str(image) in _run("losetup", "--all") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert str(image) not in _run("losetup", "--all"), f"{image} is still on a loop device"

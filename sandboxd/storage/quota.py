@@ -410,9 +410,9 @@ class Storage:
             what = f"hold {usage.inodes} files and folders, their quota (storage.quota_inodes)"
         else:
             return None
+        refused = " New calls are refused while over quota." if record.over_bytes or record.over_inodes else ""
         return (f"sandboxd: this user's folders (/officer/user and /officer/data) {what}, so writes fail (EDQUOT or "
-                "ENOSPC). Delete files there to free space; the sandbox still works. "
-                + ("New calls are refused while over quota." if record.over_bytes or record.over_inodes else ""))
+                f"ENOSPC). Delete files there to free space; the sandbox still works.{refused}")
 
     # -- status ------------------------------------------------------------------
 
