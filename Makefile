@@ -48,7 +48,7 @@ serve: setup image
 	@$(BIN)/sandboxd serve$(if $(SOCKET), --socket $(SOCKET))
 
 test: setup image clients typecheck
-	node --test images/node/shim/test/*.test.js
+	$(SHIM_NODE) --test images/node/shim/test/*.test.js
 	$(BIN)/python -m pytest tests
 	$(CLIENT_TESTS)
 
@@ -69,8 +69,10 @@ test-gvisor: setup image gvisor
 	E2E_SANDBOX_RUNTIME=runsc E2E_REQUIRE_GVISOR=1 $(BIN)/python -m pytest $(GVISOR_E2E) \
 		-k "not test_daemon or $(GVISOR_DAEMON_TESTS)"
 
+# The shim's tests run on the Node the image ships (images/node/runtime's lock file), not the host's.
+SHIM_NODE = "$$(bash images/node/node-runtime.sh)"
 test-shim:
-	node --test images/node/shim/test/*.test.js
+	$(SHIM_NODE) --test images/node/shim/test/*.test.js
 
 # clients/: @sandboxd/client, then @sandboxd/pi (which links it). npm ci runs again only when a lock file changes.
 CLIENT_DIRS := clients/typescript clients/pi

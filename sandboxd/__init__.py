@@ -2,4 +2,4 @@
 
 # One version for the daemon and the runner image it runs (images/node/VERSION): they are
 # released together, and a test keeps the two equal. pyproject.toml reads it from here.
-__version__ = "0.5.0"
+__version__ = "0.6.0"

@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # Build the runner image sandboxd/node:$(cat VERSION) (what `make image` runs).
 #   1. the base image: SANDBOXD_BASE_IMAGE if set; else the official
-#      node:20-bookworm-slim when present locally (never pulled: `docker pull` it
-#      first to use it); else the registry-free sandboxd/node-base:bookworm-node20-<hash>
-#      (`build-base.sh --print-tag`), built by build-base.sh when missing. Said on stderr and in the image's
-#      label org.sandboxd.base;
+#      node:<major>-bookworm-slim when present locally, <major> the one pinned in
+#      runtime/package-lock.json (never pulled: `docker pull` it first to use it); else the
+#      registry-free sandboxd/node-base:bookworm-node<version>-<hash> (`build-base.sh --print-tag`),
+#      built by build-base.sh when missing. Said on stderr and in the image's labels
+#      org.sandboxd.base and org.sandboxd.node;
 #   2. the shim's node_modules: `npm ci` from the committed lock file, skipped when
 #      the lock file has not changed since the last install;
 #   3. docker build, only when the image's inputs changed since TAG was built (their hash is
-#      the label org.sandboxd.inputs): nothing is printed when nothing changed, and docker's
-#      own log is shown only when the build fails.
+#      the label org.sandboxd.inputs): nothing is printed when nothing changed; a line per
+#      build step while it builds, and docker's own log only when the build fails.
 # Prints the image tag on the last line of stdout.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VERSION=$(tr -d ' \n' < "$HERE/VERSION")
 TAG="sandboxd/node:$VERSION"
-OFFICIAL_BASE=node:20-bookworm-slim
+NODE_LOCKED=$(bash "$HERE/node-runtime.sh" --version)  # 24.22.3
+NODE_MAJOR=${NODE_LOCKED%%.*}
+OFFICIAL_BASE=node:$NODE_MAJOR-bookworm-slim
 SHIM="$HERE/shim"
 
 log() { echo "build: $*" >&2; }
@@ -47,7 +50,12 @@ fi
 stamp="$SHIM/node_modules/.sandboxd-lock-sha256"
 want=$(cat "$SHIM/package.json" "$SHIM/package-lock.json" | sha256sum | cut -d' ' -f1)
 esbuild_ok() { (cd "$SHIM" && node -e 'require("esbuild").transformSync("let x: number = 1", { loader: "ts" })') >/dev/null 2>&1; }
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! esbuild_ok; then
+fresh() { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && esbuild_ok; }
+if ! fresh; then
+  # One npm ci at a time in this checkout (make image runs in parallel test sessions).
+  mkdir -p "$HERE/../../build" && exec 9>"$HERE/../../build/.shim-npm.lock" && flock 9
+fi
+if ! fresh; then
   log "npm ci in $SHIM"
   # --ignore-scripts: esbuild's postinstall only re-checks the binary that the
   # optional dependency @esbuild/<platform> already installed; checked below.
@@ -69,21 +77,49 @@ if [ "$built" = "$inputs" ]; then
   exit 0
 fi
 log "base image $BASE ($why)"
+# The Node the image runs, for the log and the label: the base's own label when
+# build-base.sh made it, else asked of the base itself (no network, removed at once).
+node_version=$(docker image inspect -f '{{ index .Config.Labels "org.sandboxd.node-version" }}' "$BASE" 2>/dev/null || true)
+case "$node_version" in
+  v*) node_source=$(docker image inspect -f '{{ index .Config.Labels "org.sandboxd.node-source" }}' "$BASE" 2>/dev/null || true) ;;
+  *) node_version=$(docker run --rm --network none --entrypoint node "$BASE" -p process.version 2>/dev/null || true)
+     node_source="" ;;
+esac
+[ -n "$node_version" ] || die "cannot run node in the base image $BASE (docker run --rm --entrypoint node $BASE -v)"
+log "node $node_version (${node_source:-from $BASE})"
 if [ -n "$built" ]; then
   log "docker build $TAG: its inputs changed (the Dockerfile, the shim, its dependencies or the base)"
 else
   log "docker build $TAG"
 fi
 # Without the buildx plugin the CLI needs the legacy builder. Its step log (and the
-# builder's banners) go to a file, shown when the build fails.
+# builder's banners) go to a file, shown when the build fails; a line per step here.
 if ! docker buildx version >/dev/null 2>&1; then export DOCKER_BUILDKIT=0; fi
 build_log=$(mktemp "${TMPDIR:-/tmp}/sandboxd-image-build.XXXXXX")
-if ! docker build \
+steps() {
+  local line step seen=" "
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >> "$build_log"
+    case "$line" in
+      "Step "[0-9]*" : "*) step=${line#Step } ;;                           # the legacy builder
+      "#"[0-9]*" ["*"] "*) step=${line#\#* } ;;                              # BuildKit, --progress=plain
+      *) continue ;;
+    esac
+    case "$seen" in *" ${step%% *} "*) continue ;; esac  # BuildKit repeats a step's header
+    seen="$seen${step%% *} "
+    step=${step/ : / }
+    log "step ${step:0:90} ($(( $(date +%s) - start ))s)"
+  done
+}
+progress=(); [ "${DOCKER_BUILDKIT:-}" = 0 ] || progress=(--progress=plain)
+if ! docker build "${progress[@]}" \
   --build-arg "BASE=$BASE" \
   --build-arg "VERSION=$VERSION" \
+  --build-arg "NODE_MAJOR=$NODE_MAJOR" \
   --label "org.sandboxd.base=$BASE" \
+  --label "org.sandboxd.node=$node_version" \
   --label "org.sandboxd.inputs=$inputs" \
-  -t "$TAG" "$HERE" >"$build_log" 2>&1; then
+  -t "$TAG" "$HERE" 2>&1 | steps; then
   tail -n 60 "$build_log" >&2
   die "docker build $TAG failed (the whole log: $build_log)"
 fi

