@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from sandboxd.config import AUTO_SANDBOX_ID
+from sandboxd.sandbox.seccomp import sandbox_profile
 
-from tests.e2e.conftest import Daemon
+from tests.e2e.conftest import GVISOR, Daemon
 
 pytestmark = pytest.mark.docker
 
@@ -43,7 +44,8 @@ def test_root_filesystem_capabilities_and_privileges(inspected: dict[str, Any]) 
     host = inspected["HostConfig"]
     assert host["ReadonlyRootfs"] is True
     assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
-    assert host["SecurityOpt"] == ["no-new-privileges"]
+    # sandboxd's seccomp profile under runc; runsc keeps its own filters (tests/e2e/test_seccomp.py).
+    assert host["SecurityOpt"] == ["no-new-privileges"] + ([] if GVISOR else [f"seccomp={sandbox_profile()}"])
     assert host["Privileged"] is False
     assert inspected["Config"]["User"] == f"{AUTO_SANDBOX_ID}:{AUTO_SANDBOX_ID}"
 
