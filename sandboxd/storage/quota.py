@@ -39,6 +39,7 @@ log = get_logger("sandboxd.storage")
 
 Mode = Literal["hard", "soft", "off"]
 OVER_RECHECK_S = 5.0  # how soon a user refused for their usage is let in again after cleaning up
+MIN_SPACING_S = 1.0  # between two walks of one user's folders
 HELPER_TIMEOUT_S = 10.0
 _PROBE = "probe@example.invalid"
 
@@ -329,14 +330,23 @@ class Storage:
         return record
 
     def after_call(self, user: str) -> None:
-        """A call of ``user`` ended: measure them again, soon, off the loop (coalesced)."""
+        """A call of ``user`` ended: measure them again, soon, off the loop (coalesced).
+
+        At most one walk per user every MIN_SPACING_S: a user calling in a tight loop gets one
+        measurement of where they stand, not a walk per call.
+        """
         if not self.enabled:
             return
         with self._lock:
             if user in self._pending:
                 return
             self._pending.add(user)
-        self._executor.submit(self._measure_pending, user)
+        record = self._usage.get(user)
+        wait = MIN_SPACING_S - (time.monotonic() - record.measured_at) if record is not None else 0.0
+        if wait > 0 and self._loop is not None:
+            self._loop.call_later(wait, self._executor.submit, self._measure_pending, user)
+        else:
+            self._executor.submit(self._measure_pending, user)
 
     def _measure_pending(self, user: str) -> None:
         with self._lock:
@@ -352,7 +362,10 @@ class Storage:
             if time.monotonic() - last_full >= self.config.storage.measure_interval_s:
                 last_full = time.monotonic()
                 for user in await asyncio.to_thread(self._users_on_disk):
-                    self.after_call(user)
+                    record = self._usage.get(user)
+                    # Measured since the last pass (after a call): their figures are current.
+                    if record is None or time.monotonic() - record.measured_at >= self.config.storage.measure_interval_s:
+                        self.after_call(user)
             else:
                 for user, record in list(self._usage.items()):
                     if record.over_bytes or record.over_inodes:

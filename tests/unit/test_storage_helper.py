@@ -116,3 +116,44 @@ def test_peer_credentials_are_the_kernels() -> None:
 
         assert peer(ours)[1:] == (ME, MY_GROUP)
         assert struct.calcsize("3i") == 12
+
+
+@pytest.mark.skipif(bool(BTRFS_PROBLEM), reason=str(BTRFS_PROBLEM))
+def test_a_daemon_that_is_not_root_sets_quotas_through_the_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's side of the helper: it asks at start-up and at a user's first sandbox; the helper does the work."""
+    import threading
+
+    helper_socket = tmp_path / "quota.sock"
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        config = _config(data, quota_bytes="20m", helper_socket=str(helper_socket))
+        listener.bind(str(helper_socket))
+        listener.listen()
+        asked: list[int] = []
+
+        def helper() -> None:  # what systemd's Accept=yes does: one connection, one instance
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    asked.append(1)
+                    serve_connection(conn, daemon_uid=ME, config=config)
+
+        threading.Thread(target=helper, daemon=True).start()
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the daemon as the sandboxd user
+        store = Storage(config)
+        store.resolve()
+        assert [(p.mode, "sandboxd-quota helper" in p.how) for p in store.places] == [("hard", True), ("hard", True)]
+        store.provision("e@x.io")
+        store.provision("e@x.io")  # once per user and run
+        assert len(asked) == 2  # the check at start-up, then the user's folders
+        assert os.stat(data / "e@x.io").st_ino == btrfs.SUBVOLUME_ROOT_INO
+        listener.close()
+        helper_socket.unlink()
+        gone = Storage(config)
+        gone.resolve()  # auto, and no helper answers: soft, saying why
+        assert gone.places[0].mode == "soft" and "did not answer" in gone.places[0].how
+        store.close()
+        gone.close()
