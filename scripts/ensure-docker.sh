@@ -18,12 +18,12 @@ missing=()
 [ "$engine_up" = 1 ] || command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 # The registry-free base (images/node/build-base.sh) needs debootstrap, whether or not
 # Docker already runs (most newcomers already run it). Without root, say so and go on:
-# an existing base image, or an official node:20-bookworm-slim, needs no debootstrap.
+# an existing base image, or an official node:24-bookworm-slim (the lock file's major), needs no debootstrap.
 if ! command -v debootstrap >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ]; then
     missing+=(debootstrap)
   else
-    echo "ensure-docker: debootstrap is missing; building the registry-free base image needs it (sudo apt-get install debootstrap), an official node:20-bookworm-slim image present locally does not" >&2
+    echo "ensure-docker: debootstrap is missing; building the registry-free base image needs it (sudo apt-get install debootstrap), an official node:24-bookworm-slim image present locally does not" >&2
   fi
 fi
 if [ ${#missing[@]} -gt 0 ]; then
