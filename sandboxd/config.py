@@ -364,6 +364,11 @@ class StorageConfig(_Section):
     def _size(cls, value: Any) -> Any:
         return parse_size(value)
 
+    @field_validator("enforcement", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads an unquoted off as false
+
     @field_validator("users", mode="before")
     @classmethod
     def _user_names(cls, value: Any) -> Any:

@@ -121,6 +121,12 @@ def test_a_note_names_the_limit_a_failed_write_hit(tmp_path: Path) -> None:
     store.close()
 
 
+def test_off_unquoted_in_yaml_or_the_environment_is_off(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("storage:\n  enforcement: off\n")
+    assert load_config(tmp_path / "c.yaml", environ={}).storage.enforcement == "off"
+    assert load_config(environ={"SANDBOXD_STORAGE_ENFORCEMENT": "off"}).storage.enforcement == "off"
+
+
 def test_off_never_refuses_and_measures_nothing(tmp_path: Path) -> None:
     store = _storage(tmp_path, enforcement="off")
     store.resolve()
