@@ -158,3 +158,49 @@ def test_debootstrap_says_each_stage_with_the_time_and_its_log_when_it_fails(tmp
     assert "debootstrap failed (from http://m.example/debian; another mirror: --mirror URL or DEBIAN_MIRROR)" in proc.stderr
     assert args.read_text().split()[-1] == "http://m.example/debian"
     assert not (tmp_path / "repo" / "build" / "node-base").exists(), "the half-made root filesystem is removed"
+
+
+# -- docker build's progress: a line per step, under either builder --------------------------------
+
+BUILDKIT_ENGINE = r"""#!/bin/sh
+echo "docker $*" >> "$CALLS"
+case "$1 $2" in
+  "buildx version") exit 0 ;;
+  "image inspect") case "$*" in *{{.Size}}*) echo 100000000 ;; *org.sandboxd.inputs*) exit 1 ;; esac; exit 0 ;;
+  "run --rm") echo v24.22.3; exit 0 ;;
+esac
+if [ "$1" = build ]; then
+  cat <<'LOG'
+#0 building with "default" instance using docker driver
+#1 [internal] load build definition from Dockerfile
+#1 transferring dockerfile: 5.12kB done
+#2 [internal] load .dockerignore
+#3 [1/7] FROM docker.io/example/node:24
+#4 [2/7] RUN set -eu;     node -e 'const v = process.versions.node.split(".")[0]'
+#4 0.312 installing: nothing
+#5 [3/7] COPY shim/src /opt/sandboxd/shim/src
+#4 [2/7] RUN set -eu;     node -e 'const v = process.versions.node.split(".")[0]'
+#4 DONE 1.2s
+#6 exporting to image
+LOG
+fi
+exit 0
+"""
+
+
+def test_a_buildkit_build_says_each_step_once(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(BUILDKIT_ENGINE)
+    (bin_dir / "docker").chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if k not in ("SANDBOXD_BASE_IMAGE", "DOCKER_BUILDKIT")}
+    proc = subprocess.run(["bash", str(IMAGE / "build.sh")], capture_output=True, text=True, timeout=300,
+                          env={**environ, "PATH": f"{bin_dir}:{environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+                               "SANDBOXD_BASE_IMAGE": "example/node:24"})
+    assert proc.returncode == 0, proc.stderr
+    steps = re.findall(r"^build: step (.*) \(\d+s\)$", proc.stderr, re.M)
+    assert steps == ["[internal] load build definition from Dockerfile", "[1/7] FROM docker.io/example/node:24",
+                     "[2/7] RUN set -eu;     node -e 'const v = process.versions.node.split(\".\")[0]'",
+                     "[3/7] COPY shim/src /opt/sandboxd/shim/src"], proc.stderr
+    build = next(line for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("docker build "))
+    assert "--progress=plain" in build, "BuildKit's plain log is what the steps are read from"
