@@ -30,12 +30,13 @@ from bench.daemon import REPO
 from bench.load import throughput
 from bench.egress_tls import secrets_over_https
 from bench.neighbours import noisy_neighbours
+from bench.quota import quota_cost
 from bench.runtimes import compare_runtimes
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             say("gVisor (runsc) beside runc: warm and cold calls, idle memory")
             results["runtimes"] = compare_runtimes(api, root / "runtimes", run_id, args.image,
                                                    calls=min(args.calls, 2000), samples=args.samples, say=say)
+        if "quota" not in args.skip:
+            results["quota"] = quota_cost(root / "quota", run_id, args.image, calls=min(args.calls, 2000),
+                                          samples=args.samples, say=say)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

@@ -211,6 +211,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _neighbour_rows(r.get("neighbours", {}))
     out += _runtime_rows(r)
     out += _https_rows(r.get("https", {}))
+    out += _quota_rows(r.get("quota", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
@@ -240,6 +241,29 @@ def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]
     if mine is not None and base is not None:
         out.append(("gVisor (runsc, ptrace): an idle sandbox's memory (its cgroup), median", f"{mine:.1f} MB",
                     f"runc {base:.1f} MB", _x(ratio(mine, base)), "", "—"))
+    return out
+
+
+def _quota_rows(q: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """The disk quota, soft and hard, beside the same daemon with it off (bench/quota.py)."""
+    if "skipped" in q:
+        return [("disk quota (storage.enforcement)", "skipped", q["skipped"], "", "", "—")]
+    off = q.get("off")
+    if not off:
+        return []
+    out = []
+    for mode in ("soft", "hard"):
+        row = q.get(mode)
+        if not row:
+            continue
+        for key, what in (("warm", "a warm call"), ("cold", "a new user's first call")):
+            mine, base = row[key].get("p50_ms"), off[key].get("p50_ms")
+            out.append((f"disk quota {mode}: {what}, p50", _ms(mine), f"quota off {_ms(base)}", _x(ratio(mine, base)),
+                        "", "—"))
+        cpu, base_cpu = row["warm"].get("daemon_cpu_us_per_call"), off["warm"].get("daemon_cpu_us_per_call")
+        if cpu is not None and base_cpu is not None:
+            out.append((f"disk quota {mode}: daemon CPU per warm call", f"{cpu:.0f} µs", f"quota off {base_cpu:.0f} µs",
+                        "", "", "—"))
     return out
 
 
