@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from sandboxd.client import RpcError
 
-INVALID_PARAMS, OVERLOADED, UNAVAILABLE = -32602, -32001, -32002
+INVALID_PARAMS, OVERLOADED, UNAVAILABLE, QUOTA_EXCEEDED = -32602, -32001, -32002, -32004
 _BLOCK: TypeAdapter[Any] = TypeAdapter(types.ContentBlock)
 
 
@@ -64,7 +64,7 @@ def is_tool_error(exc: RpcError) -> bool:
     """
     if exc.code == INVALID_PARAMS:
         return isinstance(exc.data, list)
-    return exc.code in (OVERLOADED, UNAVAILABLE)
+    return exc.code in (OVERLOADED, UNAVAILABLE, QUOTA_EXCEEDED)  # a full quota: the model can tell the user
 
 
 def progress_message(params: Mapping[str, Any]) -> tuple[float, str | None]:

@@ -52,6 +52,7 @@ def test_which_daemon_errors_are_the_models_to_act_on() -> None:
     assert not is_tool_error(RpcError(-32602, "unknown tool 'x' for u@example.com"))
     assert not is_tool_error(RpcError(-32602, "forbidden env", {"names": ["X"]}))
     assert is_tool_error(RpcError(-32001, "overloaded")) and is_tool_error(RpcError(-32002, "Docker is down"))
+    assert is_tool_error(RpcError(-32004, "over quota"))  # the model can tell the user to free space
     assert not is_tool_error(RpcError(-32603, "internal"))
 
 
