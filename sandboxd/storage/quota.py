@@ -281,10 +281,10 @@ class Storage:
 
     def provision(self, user: str) -> None:
         """Make ``user``'s folders under their quota, once per daemon run; BackendUnavailable-worthy OSError on failure."""
-        if not self.hard or user in self._provisioned:
+        if not self.hard or (user in self._provisioned and self._still_there(user)):
             return
         with self._lock:
-            if user in self._provisioned:
+            if user in self._provisioned and self._still_there(user):
                 return
             if self._via_helper:
                 try:
@@ -302,6 +302,15 @@ class Storage:
                         detail="the folder was made before the quota, as a plain folder: its usage is measured, "
                                "not enforced; to enforce it, stop sandboxd and recreate it as a subvolume "
                                "(docs/install.md, 'Disk quotas')")
+
+    def _still_there(self, user: str) -> bool:
+        """False when the user's data folder is gone (an operator removed it): it is made again, under the quota."""
+        try:
+            os.lstat(self.config.data_path / user)
+        except FileNotFoundError:
+            self._provisioned.pop(user, None)
+            return False
+        return True
 
     # -- usage -------------------------------------------------------------------
 

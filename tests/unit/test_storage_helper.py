@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import struct
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,13 @@ def test_provisioning_makes_subvolumes_under_one_limited_qgroup_per_user(tmp_pat
         assert full.value.errno == 122  # EDQUOT
         store.provision("a@x.io")
         assert store.measure_now("a@x.io").at_bytes_limit()
+        (user / "f").unlink()
+        (mail / "g").unlink()
+        os.sync()
+        assert not store.measure_now("a@x.io").at_bytes_limit()
+        subprocess.run(["btrfs", "subvolume", "delete", str(user)], check=True, capture_output=True)  # the operator
+        store.provision("a@x.io")  # made again, under the quota
+        assert os.stat(user).st_ino == btrfs.SUBVOLUME_ROOT_INO
         store.close()
 
 
