@@ -41,6 +41,7 @@ from sandboxd.egress.relay import Relay
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host, parse_secret_hosts
 from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import EgressContext
+from sandboxd.service.fds import EGRESS_REFUSING
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 log = get_logger("sandboxd.egress")
@@ -268,6 +269,10 @@ class EgressSession:
         spends ``egress.refusal_cost`` of that rate (``_refused``)."""
         loop = asyncio.get_running_loop()
         while True:
+            # The sandbox's share of the daemon's descriptors (service/fds.py): past it, the next accept
+            # waits for one of its connections to close, and the kernel's backlog holds the newcomer.
+            while len(self._connections) >= self._proxy.config.max_connections + EGRESS_REFUSING:
+                await asyncio.wait(list(self._connections), return_when=asyncio.FIRST_COMPLETED)
             delay = self._accepts.take(self._proxy.config.connect_rate)
             if delay:
                 await asyncio.sleep(delay)
@@ -284,7 +289,9 @@ class EgressSession:
                             budget=source("sandbox", self.sandbox_id))
                 conn.close()
                 continue
-            loop.create_task(self.handle(conn))
+            task = loop.create_task(self.handle(conn))
+            self._connections.add(task)  # counted now: the accepts made before it runs must see it
+            task.add_done_callback(self._connections.discard)
 
     async def handle(self, conn: socket.socket) -> None:
         """Serve one connection from the sandbox; never raises."""

@@ -84,8 +84,13 @@ class Edge(Protocol):
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, edge: Edge) -> None:
+    """``peer_uid``: whose share of the descriptors it counts against (the edge releases it once closed);
+    ``refusal``: why it is refused before it is served (past that share), besides what the edge says."""
+
+    def __init__(self, edge: Edge, *, peer_uid: int | None = None, refusal: str | None = None) -> None:
         self._edge = edge
+        self.peer_uid = peer_uid
+        self.refusal = refusal
         self.transport: asyncio.Transport | None = None
         self._lines = LineBuffer(edge.max_message_bytes)
         self._rpc = Dispatcher(self.send, edge.methods(self))
@@ -99,7 +104,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream socket's (uvloop's transports are not asyncio.Transport subclasses, only alike).
         self.transport = cast(asyncio.Transport, transport)
-        refusal = self._edge.refusal(self.transport.get_extra_info("socket"))
+        refusal = self.refusal or self._edge.refusal(self.transport.get_extra_info("socket"))
         if refusal is not None:
             # One error line, then the door: a refused peer never reaches dispatch.
             self.closed = self._refused = True

@@ -19,7 +19,7 @@ from sandboxd import __version__
 from sandboxd.config import Config
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
-from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level
+from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
@@ -29,8 +29,9 @@ from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Later, Method
 from sandboxd.server.watch import ToolWatch
 from sandboxd.service import systemd
+from sandboxd.service.fds import ClientShares, FdBudget, raise_nofile_limit
 from sandboxd.service.metrics import Metrics
-from sandboxd.service.peercred import PeerPolicy
+from sandboxd.service.peercred import PeerPolicy, peer_credentials
 from sandboxd.storage.quota import Storage
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.tools.sync import sync_tools
@@ -41,6 +42,7 @@ from sandboxd.users import check_user, global_tools_dir
 log = get_logger("sandboxd.server")
 
 MAINTENANCE_INTERVAL_S = 1.0
+ACCEPTS_PER_TURN = 16  # clients accepted before the loop's other work gets a turn
 DATA_PATH_LOCK = ".sandboxd.lock"
 
 
@@ -70,7 +72,10 @@ class Server:
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
         self.started_at = time.monotonic()
-        self._listener: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        # Set at start-up from RLIMIT_NOFILE (service/fds.py): what sandboxes and clients may hold.
+        self.fd_budget: FdBudget | None = None
+        self.clients: ClientShares | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None
         self._transpile_start: asyncio.Task[None] | None = None
@@ -95,6 +100,7 @@ class Server:
 
     async def startup(self, listen_socket: socket.socket | None = None) -> None:
         cfg = self.config
+        self._plan_fds()  # first: a configuration the limit cannot hold stops start-up before it touches anything
         global_tools_dir(cfg.data_path).mkdir(parents=True, exist_ok=True)
         self._lock_data_path()  # before the orphans: a second daemon here would take the first's sandboxes for them
         if cfg.seed_tools is not None:
@@ -110,7 +116,9 @@ class Server:
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
         self._owns_socket_file = listen_socket is None
         sock = listen_socket or self._bind_socket()
-        self._listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock)
+        sock.setblocking(False)
+        self._listener = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
         self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
         self._watching = asyncio.get_running_loop().create_task(self.watch.run())
         address = sock.getsockname() or "(unnamed)"
@@ -125,6 +133,59 @@ class Server:
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
                                "filesystem; for development only, never for untrusted tools")
+
+    def _plan_fds(self) -> None:
+        soft, hard, limit = raise_nofile_limit()
+        budget = self.fd_budget = FdBudget.plan(self.config, limit)  # ConfigError: exit 2, naming the keys
+        self.clients = ClientShares(budget)
+        log.info("fd_budget", limit=limit, soft_at_start=soft, hard=hard, reserved=budget.reserved,
+                 per_sandbox=budget.per_sandbox, egress_connections=self.config.egress.max_connections,
+                 sandboxes=budget.sandboxes, clients=budget.clients, per_client=budget.per_client)
+
+    def _accept(self) -> None:
+        """Accept what waits on the socket, ACCEPTS_PER_TURN at most (a flood of connects must not hold the
+        loop). Each connection counts against its peer uid's share, past which it is refused, then closed
+        unanswered; while every client descriptor is in use, accepting stops and newcomers wait in the backlog."""
+        listener, clients = self._listener, self.clients
+        assert listener is not None and clients is not None
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPTS_PER_TURN):
+            if clients.full:
+                loop.remove_reader(listener.fileno())
+                clients.when_room = lambda: loop.add_reader(listener.fileno(), self._accept)
+                return
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # not for want of descriptors, which the budget keeps: said, then retried in 1 s
+                log.warning("accept_failed", error=str(exc), budget=source("daemon", "accept"))
+                loop.remove_reader(listener.fileno())
+                loop.call_later(1, loop.add_reader, listener.fileno(), self._accept)
+                return
+            conn.setblocking(False)
+            try:
+                uid = peer_credentials(conn).uid
+            except OSError:  # gone already
+                conn.close()
+                continue
+            admission = clients.admit(uid)
+            if admission == "drop":
+                conn.close()  # a flood of them: closing is all the work it gets
+                continue
+            refusal = None
+            if admission == "refuse":
+                refusal = clients.refusal(uid)
+                log.warning("client_over_share", uid=uid, per_client=clients.budget.per_client,
+                            budget=source("peer", uid))
+            loop.create_task(self._connect(conn, Connection(self, peer_uid=uid, refusal=refusal)))
+
+    async def _connect(self, conn: socket.socket, connection: Connection) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: connection, conn)
+        except OSError:
+            self.closed(connection)
+            conn.close()
 
     async def _start_transpile_cache(self) -> None:
         """Copy the image's esbuild out (once per version) and fill the cache, in the background:
@@ -263,6 +324,9 @@ class Server:
         self.connections.add(connection)
 
     def closed(self, connection: Connection) -> None:
+        if connection.peer_uid is not None and self.clients is not None:
+            self.clients.release(connection.peer_uid, "serve" if connection.refusal is None else "refuse")
+            connection.peer_uid = None  # once
         self.connections.discard(connection)
         self.watch.forget(connection)
 
@@ -339,6 +403,9 @@ class Server:
         log.info("shutting_down", calls_in_flight=len(self.calls.in_flight), grace_s=grace)
         # 1. Stop accepting connections, and remove the socket file so clients fail fast.
         if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            if self.clients is not None:
+                self.clients.when_room = None
             self._listener.close()
             if self._owns_socket_file:
                 self.config.socket.unlink(missing_ok=True)

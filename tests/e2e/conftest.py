@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -92,10 +93,11 @@ class Daemon:
     namespace touches."""
 
     def __init__(self, tmp: Path, *, config: str = "", env: dict[str, str] | None = None,
-                 loopback_only: bool = False) -> None:
+                 loopback_only: bool = False, nofile: tuple[int, int] | None = None) -> None:
         if loopback_only:
             _loopback_only_tools()
         self.loopback_only = loopback_only
+        self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE to start the daemon with, as systemd's LimitNOFILE= would
         self.tmp = tmp
         self.data = tmp / "data"
         # Socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
@@ -124,7 +126,10 @@ class Daemon:
                    "--seed-tools", str(REPO / "seed" / "tools")]
         if self.loopback_only:  # exec: the daemon keeps unshare's pid, signals reach it directly
             command = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        nofile = self.nofile
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                                     preexec_fn=limit)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
