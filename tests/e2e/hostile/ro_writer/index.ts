@@ -1,7 +1,17 @@
 import * as fs from "node:fs";
 
+// Node 24's rmSync (C++ since 23) throws with code "" and only strerror's text: name the errno from it.
+const BY_MESSAGE: Record<string, string> = {
+  "Read-only file system": "EROFS", "Permission denied": "EACCES", "Operation not permitted": "EPERM",
+};
+
 function attempt(fn: () => unknown): string {
-  try { fn(); return "ok"; } catch (e) { return (e as NodeJS.ErrnoException).code ?? String(e); }
+  try { fn(); return "ok"; } catch (e) {
+    const err = e as NodeJS.ErrnoException;
+    if (err.code) return err.code;
+    const named = Object.entries(BY_MESSAGE).find(([text]) => err.message.includes(text));
+    return named ? named[1] : String(e);
+  }
 }
 
 export async function execute() {
