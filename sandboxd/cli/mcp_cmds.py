@@ -11,6 +11,7 @@ from sandboxd.cli.common import EXIT_OK, EXIT_USAGE, fail
 from sandboxd.client import DaemonUnreachable
 from sandboxd.config import Config
 from sandboxd.errors import InvalidParams
+from sandboxd.mcp.limits import HttpLimits, connection_cap
 from sandboxd.users import check_user
 
 
@@ -32,6 +33,17 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="with --http: an Origin (and its Host) to serve besides loopback's, e.g. a TLS proxy's "
                         "https://mcp.example.com (repeatable)")
+    limits = p.add_argument_group("with --http: bounds, before and after the token (docs/mcp.md)")
+    limits.add_argument("--head-timeout", type=float, default=HttpLimits.head_timeout_s, metavar="S",
+                        help="close a connection that has not sent a whole request head S seconds after it opened or "
+                             "was last answered (default %(default)s)")
+    limits.add_argument("--max-connections", type=int, default=HttpLimits.max_connections, metavar="N",
+                        help="open connections at most (fewer if the open-file limit is lower); past it the oldest "
+                             "one not mid-request is closed (default %(default)s)")
+    limits.add_argument("--max-sessions", type=int, default=HttpLimits.max_sessions, metavar="N",
+                        help="MCP sessions at most; another is answered 503 (default %(default)s)")
+    limits.add_argument("--session-idle-timeout", type=float, default=HttpLimits.session_idle_s, metavar="S",
+                        help="end a session with no request for S seconds (default %(default)s)")
     p.add_argument("--timeout", type=float, metavar="S",
                    help="each call's deadline in seconds, passed as timeoutMs (default: the daemon's, "
                         "calls.default_timeout_ms; capped by calls.max_timeout_ms)")
@@ -53,7 +65,9 @@ def run_mcp(args: argparse.Namespace, config: Config) -> int:
         from sandboxd.mcp.http import parse_address, token_from
 
         host, port = parse_address(args.http, config.allow_unsafe)  # ConfigError: main says it, exit 2
-        http = HttpListen(host, port, token_from(os.environ), tuple(args.allow_origin))
+        limits = HttpLimits(args.head_timeout, args.max_connections, args.max_sessions, args.session_idle_timeout)
+        connection_cap(limits.max_connections)  # an open-file limit too low for any: said now, before the daemon is asked
+        http = HttpListen(host, port, token_from(os.environ), tuple(args.allow_origin), limits)
     elif args.allow_origin:
         return fail("--allow-origin needs --http", EXIT_USAGE)
     configure_logging(config.log_level, config.log_format)  # stderr: stdout is the protocol's

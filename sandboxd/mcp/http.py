@@ -5,6 +5,9 @@ constant time) and, when it carries an ``Origin``, one this server serves (else 
 MCP spec asks against DNS rebinding): its own loopback origins and those named with
 ``--allow-origin`` (a TLS proxy's public origin). It listens on a loopback address unless
 ``allow_unsafe`` names ``mcp_http_remote``: anything further is a TLS proxy's job.
+A POST body with a key twice in one object is answered 400 and never run (sandboxd.mcp.strict).
+Connections are bounded before the token is seen (sandboxd.mcp.connections); sessions by
+the SDK's cap and idle expiry, set from HttpLimits.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+from collections import deque
 from typing import Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandboxd.errors import ConfigError
+from sandboxd.mcp.limits import HttpLimits
+from sandboxd.mcp.strict import duplicate_key_error
 
 PATH = "/mcp"
 TOKEN_ENV = "SANDBOXD_MCP_TOKEN"
@@ -80,10 +86,11 @@ def own_origins(host: str, port: int, extra: Iterable[str] = ()) -> tuple[set[st
 
 
 class Guard:
-    """ASGI middleware in front of the SDK's app: the token first, then the Origin."""
+    """ASGI middleware in front of the SDK's app: the token first, then the Origin, then duplicate keys."""
 
-    def __init__(self, app: ASGIApp, token: bytes, origins: set[str]) -> None:
+    def __init__(self, app: ASGIApp, token: bytes, origins: set[str], *, max_body: int, limits: HttpLimits) -> None:
         self.app, self.token, self.origins = app, token, origins
+        self.max_body, self.limits = max_body, limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -95,26 +102,85 @@ class Guard:
             if origin is not None and origin not in self.origins:
                 return await _refuse(send, 403, f"Origin {origin[:200]!r} is not one this server serves; "
                                                 "name it with --allow-origin if it should be.")
+            if scope["method"] == "POST":
+                replay = await self._strict_body(receive, send)
+                if replay is None:
+                    return
+                receive = replay
+            send = self._session_cap_said_plainly(send)
         elif scope["type"] != "lifespan":
             return  # websockets: not served
         await self.app(scope, receive, send)
 
+    async def _strict_body(self, receive: Receive, send: Send) -> Receive | None:
+        """A ``receive`` that replays the body read here, or None once a duplicate key in it was answered 400.
+
+        A body over max_body is not checked: the SDK refuses it (413) as it reads on.
+        """
+        read: deque[Message] = deque()
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break  # the client went away: the SDK hears it from the replay
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if not message.get("more_body", False) or size > self.max_body:
+                break
+        if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False) and size <= self.max_body:
+            refused = duplicate_key_error(b"".join(chunks))
+            if refused is not None:
+                await _send_json(send, 400, refused)
+                return None
+
+        async def replay() -> Message:
+            return read.popleft() if read else await receive()
+
+        return replay
+
+    def _session_cap_said_plainly(self, send: Send) -> Send:
+        """The SDK's 503 at its session cap ("Too many open sessions") with what it means and what to do."""
+        refusing = False
+
+        async def said(message: Message) -> None:
+            nonlocal refusing
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                refusing = True
+                await _refuse(send, 503, f"this server holds {self.limits.max_sessions} sessions (--max-sessions), "
+                                         "the most it allows; end one (DELETE /mcp) or wait: a session idle for "
+                                         f"{self.limits.session_idle_s:g} s is closed (--session-idle-timeout).",
+                              ((b"retry-after", b"10"),))
+            elif not refusing:
+                await send(message)
+
+        return said
+
 
 async def _refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}).encode()
+    await _send_json(send, status, {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}},
+                     headers)
+
+
+async def _send_json(send: Send, status: int, answer: dict[str, Any],
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(answer).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
-def app(server: Any, *, host: str, port: int, token: bytes, extra_origins: Iterable[str], max_body: int) -> ASGIApp:
+def app(server: Any, *, host: str, port: int, token: bytes, extra_origins: Iterable[str], max_body: int,
+        limits: HttpLimits) -> ASGIApp:
     from mcp.server.transport_security import TransportSecuritySettings
 
     origins, hosts = own_origins(host, port, extra_origins)
     inner = server.streamable_http_app(
         streamable_http_path=PATH, max_request_body_size=max_body, host=host,
+        max_sessions=limits.max_sessions, session_idle_timeout=limits.session_idle_s,
         # The SDK checks Host (DNS rebinding) and Origin again behind the Guard.
         transport_security=TransportSecuritySettings(allowed_hosts=sorted(hosts), allowed_origins=sorted(origins)),
     )
-    return Guard(inner, token, origins)
+    return Guard(inner, token, origins, max_body=max_body, limits=limits)

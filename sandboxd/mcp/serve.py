@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
 from sandboxd.config import Config
+from sandboxd.logging import get_logger
 from sandboxd.mcp.bridge import DaemonLink, build_server
+from sandboxd.mcp.limits import HttpLimits, connection_cap
 from sandboxd.mcp.stdio import stdio_streams
 
 
@@ -17,6 +19,7 @@ class HttpListen:
     port: int
     token: bytes
     extra_origins: tuple[str, ...] = ()
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 async def serve(config: Config, user: str, *, timeout_ms: int | None = None, http: HttpListen | None = None) -> None:
@@ -40,9 +43,21 @@ async def serve(config: Config, user: str, *, timeout_ms: int | None = None, htt
 async def _serve_http(server: object, listen: HttpListen, max_body: int) -> None:
     import uvicorn
 
+    from sandboxd.mcp.connections import Admission, BoundedH11Protocol
     from sandboxd.mcp.http import app
 
+    limits = listen.limits
+    cap = connection_cap(limits.max_connections)
     asgi = app(server, host=listen.host, port=listen.port, token=listen.token, extra_origins=listen.extra_origins,
-               max_body=max_body)
-    await uvicorn.Server(uvicorn.Config(asgi, host=listen.host, port=listen.port, log_level="warning",
-                                       access_log=False, lifespan="on")).serve()
+               max_body=max_body, limits=limits)
+    protocol = BoundedH11Protocol.bound_by(Admission(cap, limits.head_timeout_s))
+    get_logger("sandboxd.mcp").info("mcp_http_listening", url=f"http://{listen.host}:{listen.port}/mcp",
+                                    max_connections=cap, head_timeout_s=limits.head_timeout_s,
+                                    max_sessions=limits.max_sessions, session_idle_s=limits.session_idle_s)
+    await uvicorn.Server(uvicorn.Config(
+        asgi, host=listen.host, port=listen.port, log_level="warning", access_log=False, lifespan="on",
+        http=protocol, timeout_keep_alive=max(1, round(limits.head_timeout_s)),
+        # The loop accepts what is queued in one go, before it reads any of it: a queue no longer than
+        # the cap cannot push out a client accepted in the same go (older idle ones go first).
+        backlog=cap,
+    )).serve()

@@ -5,7 +5,8 @@ that is not JSON-RPC; this one frames with our LineBuffer, so:
 
 - a line longer than ``max_line`` is dropped up to its newline and answered -32600;
 - a line that is not JSON is answered -32700, JSON that is not a JSON-RPC message -32600
-  (with its id when it had a usable one); the stream goes on either way;
+  (with its id when it had a usable one), as is an object with a key twice (never run);
+  the stream goes on either way;
 - at most ``max_in_flight`` requests are in flight: past that stdin is not read until one
   is answered (or cancelled), so a host that sends without reading its answers stalls
   itself, not this process's memory;
@@ -29,6 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp.shared.message import SessionMessage
 
 from sandboxd.lines import LineBuffer
+from sandboxd.mcp.strict import duplicate_key_error
 
 PARSE_ERROR, INVALID_REQUEST = -32700, -32600
 
@@ -84,6 +86,9 @@ def _key(request_id: Any) -> Any:
 
 def decode(line: bytes) -> types.JSONRPCMessage | dict[str, Any]:
     """The message on ``line``, or the JSON-RPC error that answers it when it is not one."""
+    refused = duplicate_key_error(line)
+    if refused is not None:
+        return refused
     try:
         parsed = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
         # A request whose id is no id would pass as a notification, and go unanswered.

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, write_tool
 from tests.e2e.mcp_session import USER, mcp_command, server_env
 
 pytestmark = pytest.mark.docker
@@ -218,3 +218,39 @@ def test_progress_a_host_does_not_read_is_dropped_not_kept(make_daemon: Any) -> 
     finally:
         host.proc.kill()
         host.proc.wait()
+
+
+def evil_tool(daemon: Any) -> Path:
+    """A user tool that, if it ever runs, leaves a file in the user's folder (seen from the host)."""
+    write_tool(daemon.user_dir(USER) / "tools", "evil",
+               "import { writeFileSync } from 'node:fs';\n"
+               "export async function execute() {\n"
+               "  writeFileSync('/officer/user/evil-ran.txt', 'ran');\n"
+               "  return { content: [{ type: 'text', text: 'evil ran' }] };\n"
+               "}\n", inputs="  name:\n    type: string\n    description: Ignored.\n")
+    return daemon.user_dir(USER) / "evil-ran.txt"
+
+
+# Which "name" wins is up to the parser: the SDK's keeps the last, so without the check evil ran.
+DUPLICATE_NAME = (b'{"jsonrpc": "2.0", "id": 5, "method": "tools/call", '
+                  b'"params": {"name": "hello", "name": "evil", "arguments": {"name": "x"}}}')
+
+
+def test_a_key_given_twice_is_refused_never_run(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    ran = evil_tool(daemon)
+    host = RawHost(daemon)
+    try:
+        host.initialize()
+        host.send(DUPLICATE_NAME + b"\n")
+        error = host.answer(5)
+        assert error["error"]["code"] == -32600, error
+        assert 'the key "name" appears twice' in error["error"]["message"], error
+        host.send(b'{"jsonrpc": "2.0", "id": 6, "id": 7, "method": "ping"}\n')  # which id? none is guessed
+        refused = host.read()
+        assert refused["id"] is None and 'the key "id" appears twice' in refused["error"]["message"], refused
+        host.send({"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {"name": "hello", "arguments": {"name": "x"}}})
+        assert host.answer(8)["result"]["content"][0]["text"] == "Hello, x!"  # the stream goes on
+        assert not ran.exists(), "the tool named by the second key ran"
+    finally:
+        assert host.close() == 0

@@ -159,3 +159,29 @@ def test_a_body_over_max_message_bytes_is_refused_unread(make_daemon: Any) -> No
         assert post(server.url, {"Authorization": f"Bearer {TOKEN}"}).status_code == 200  # still serving
     finally:
         server.stop()
+
+
+def test_a_key_given_twice_is_refused_never_run(make_daemon: Any) -> None:
+    from tests.e2e.test_mcp_hostile import DUPLICATE_NAME, evil_tool
+
+    daemon = make_daemon(FAST)
+    ran = evil_tool(daemon)
+    server = HttpServer(daemon)
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        opened = post(server.url, auth)
+        assert opened.status_code == 200, opened.text
+        session = {**auth, "Mcp-Session-Id": opened.headers["mcp-session-id"], "Mcp-Protocol-Version": "2025-11-25"}
+        assert post(server.url, session, {"jsonrpc": "2.0", "method": "notifications/initialized"}).status_code == 202
+        refused = httpx2.post(server.url, headers={"Accept": ACCEPT, "Content-Type": "application/json", **session},
+                              content=DUPLICATE_NAME, timeout=30)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()
+        assert error["id"] == 5 and error["error"]["code"] == -32600, error
+        assert 'the key "name" appears twice' in error["error"]["message"], error
+        assert not ran.exists(), "the tool named by the second key ran"
+        call = {"jsonrpc": "2.0", "id": 6, "method": "tools/call", "params": {"name": "hello", "arguments": {"name": "x"}}}
+        served = post(server.url, session, call)  # the session goes on
+        assert served.status_code == 200 and "Hello, x!" in served.text, served.text
+    finally:
+        server.stop()

@@ -12,7 +12,9 @@ from sandboxd.client import RpcError
 from sandboxd.errors import ConfigError
 from sandboxd.mcp.convert import call_result, content_blocks, is_tool_error, mcp_tool, progress_message
 from sandboxd.mcp.http import MIN_TOKEN_CHARS, Guard, authorized, own_origins, parse_address, token_from
+from sandboxd.mcp.limits import FD_RESERVE, HttpLimits, connection_cap
 from sandboxd.mcp.stdio import InFlight, decode
+from sandboxd.mcp.strict import duplicate_key_error
 
 TOKEN = b"k" * MIN_TOKEN_CHARS
 
@@ -134,32 +136,79 @@ def test_the_origins_served_are_the_servers_own_and_those_named() -> None:
             own_origins("127.0.0.1", 1, [bad])
 
 
-def guarded(headers: list[tuple[bytes, bytes]], scope_type: str = "http") -> tuple[list[dict[str, Any]], bool]:
+def guarded(headers: list[tuple[bytes, bytes]], scope_type: str = "http", body: bytes = b"",
+            status: int = 200) -> tuple[list[dict[str, Any]], bool]:
     reached = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        reached.append(scope)
+        reached.append((await receive())["body"])  # the body read by the guard, replayed
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"inner"})
 
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b""}
+    chunks = [body[:5], body[5:]]
 
-    guard = Guard(app, TOKEN, {"http://127.0.0.1:1"})
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+    guard = Guard(app, TOKEN, {"http://127.0.0.1:1"}, max_body=1 << 20, limits=HttpLimits(max_sessions=3))
     asyncio.run(guard({"type": scope_type, "headers": headers, "method": "POST", "path": "/mcp"}, receive, send))
     return sent, bool(reached)
 
 
 def test_the_guard_lets_through_only_the_token_and_the_servers_origins() -> None:
     auth = (b"authorization", b"Bearer " + TOKEN)
-    assert guarded([auth]) == ([], True)
-    assert guarded([auth, (b"origin", b"http://127.0.0.1:1")]) == ([], True)
+    assert guarded([auth])[1] and guarded([auth])[0][0]["status"] == 200
+    assert guarded([auth, (b"origin", b"http://127.0.0.1:1")])[1]
     for headers, status in (([], 401), ([(b"authorization", b"Bearer nope")], 401),
                             ([auth, (b"origin", b"http://evil.example")], 403)):
         sent, reached = guarded(headers)
         assert not reached and sent[0]["status"] == status
         assert json.loads(sent[1]["body"])["error"]["code"] == -32600
     assert guarded([auth], "websocket") == ([], False)
+
+
+def test_the_guard_refuses_a_body_with_a_key_twice_and_replays_the_others() -> None:
+    auth = (b"authorization", b"Bearer " + TOKEN)
+    good = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"hello"}}'
+    sent, reached = guarded([auth], body=good)
+    assert reached and sent[1]["body"] == b"inner"
+    sent, reached = guarded([auth], body=b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","name":"b"}}')
+    assert not reached and sent[0]["status"] == 400
+    answer = json.loads(sent[1]["body"])
+    assert answer["id"] == 1 and 'the key "name" appears twice' in answer["error"]["message"]
+
+
+def test_the_sdks_session_cap_is_said_with_its_flags() -> None:
+    sent, _ = guarded([(b"authorization", b"Bearer " + TOKEN)], status=503)
+    assert sent[0]["status"] == 503 and len(sent) == 2
+    assert "holds 3 sessions (--max-sessions)" in json.loads(sent[1]["body"])["error"]["message"]
+
+
+@pytest.mark.parametrize("line, request_id", [
+    (b'{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"safe","name":"evil"}}', 3),
+    (b'{"jsonrpc":"2.0","id":3,"id":4,"method":"ping"}', None),
+    (b'{"jsonrpc":"2.0","jsonrpc":"2.0","id":"x","method":"ping"}', "x"),
+])
+def test_a_key_twice_anywhere_is_refused_on_stdio(line: bytes, request_id: Any) -> None:
+    answer = decode(line)
+    assert isinstance(answer, dict) and (answer["error"]["code"], answer["id"]) == (-32600, request_id)
+    assert "appears twice" in answer["error"]["message"]
+    assert duplicate_key_error(b'{"a": {"b": 1}, "c": {"b": 2}}') is None  # the same key in two objects is fine
+
+
+def test_http_limits_are_checked_and_held_to_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    for bad in ({"max_connections": 2}, {"head_timeout_s": 0}, {"max_sessions": 0}, {"session_idle_s": float("nan")}):
+        with pytest.raises(ConfigError, match="out of range"):
+            HttpLimits(**bad)
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (300, 300))
+    assert connection_cap(1000) == 300 - FD_RESERVE and connection_cap(100) == 100
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (64, 64))
+    with pytest.raises(ConfigError, match=r"open-file limit \(64\)"):
+        connection_cap(100)
