@@ -134,8 +134,8 @@ class _StreamingBackend:
     async def remove_orphans(self) -> int:
         return 0  # the sandboxes of other runs are theirs
 
-    async def preflight(self) -> None:
-        await self._inner.preflight()
+    async def preflight(self, config: SandboxConfig | None = None) -> None:
+        await self._inner.preflight(config)
 
     def entry_path(self, tool: Tool) -> str:
         return self._inner.entry_path(tool)

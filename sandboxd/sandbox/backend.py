@@ -232,9 +232,10 @@ class Backend(Protocol[SandboxT]):
         """Remove sandboxes left by an earlier run of this daemon; return how many."""
         ...
 
-    async def preflight(self) -> None:
-        """At start-up: raise ConfigError when no sandbox could ever start as configured
-        (a rootless or remote Docker engine with the socket transport). An unreachable
+    async def preflight(self, config: SandboxConfig | None = None) -> None:
+        """At start-up, and at a reload before it applies: raise ConfigError when no sandbox
+        could ever start as ``config`` (default: the running one) says (a rootless or remote
+        Docker engine with the socket transport, a runtime the engine lacks). An unreachable
         backend is not that: it may come back."""
         ...
 

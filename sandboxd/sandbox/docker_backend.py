@@ -269,28 +269,35 @@ class DockerBackend:
             return None  # attach: the engine may be remote, and cannot be assumed to see the data path
         return await self._run(lambda: extract_esbuild(self.api(), self.config.image, self.instance, directory))
 
-    async def preflight(self) -> None:
-        if self.config.transport != "socket" and self.config.runtime is None:
+    async def preflight(self, config: SandboxConfig | None = None) -> None:
+        config = config or self.config
+        if config.transport != "socket" and config.runtime is None:
             return
         try:
-            problem = await self._engine_problem()
+            problem = await self._engine_problem(config)
         except BackendUnavailable:
             return  # the engine is away: checked before the first sandbox starts instead
         if problem is not None:
             raise ConfigError(problem)
 
-    async def _engine_problem(self) -> str | None:
+    async def _engine_problem(self, config: SandboxConfig | None = None) -> str | None:
         """Why the engine cannot see the shim sockets' directory or run sandbox.runtime, or None
-        (then not asked again). Raises BackendUnavailable when the engine does not answer."""
-        engine = engine_url(self.config)
-        socket_transport = self.config.transport == "socket"
+        (then not asked again). Raises BackendUnavailable when the engine does not answer.
+
+        ``config``: settings a reload would apply, checked without becoming this backend's.
+        """
+        running = config is None or config == self.config
+        config = config or self.config
+        engine = engine_url(config)
+        socket_transport = config.transport == "socket"
         if socket_transport and not engine.startswith("unix://"):
             return f"the Docker engine at {engine} is remote and cannot see {self.shim_dir()}; {ATTACH_HINT}"
         info = await self._run(lambda: self.api().info())
         problem = shim_dir_problem(info, self.shim_dir()) if socket_transport else None
-        problem = problem or runtime_problem(info, self.config.runtime, local=engine.startswith("unix://"))
-        self._gvisor = is_gvisor(info, self.config.runtime)
-        self._engine_checked = problem is None
+        problem = problem or runtime_problem(info, config.runtime, local=engine.startswith("unix://"))
+        if running:
+            self._gvisor = is_gvisor(info, config.runtime)
+            self._engine_checked = problem is None
         return problem
 
     async def _owned(self) -> list[dict[str, Any]]:

@@ -147,7 +147,7 @@ class FakeBackend:
         count, self.orphans = len(self.orphans), []
         return count
 
-    async def preflight(self) -> None:
+    async def preflight(self, config: SandboxConfig | None = None) -> None:
         pass
 
     def entry_path(self, tool: Tool) -> str:

@@ -162,7 +162,7 @@ class ProcessBackend:
     async def remove_orphans(self) -> int:
         return 0  # processes die with the daemon (their stdin closes)
 
-    async def preflight(self) -> None:
+    async def preflight(self, config: SandboxConfig | None = None) -> None:
         pass  # local processes: nothing to see or not see
 
     def reconfigure(self, config: SandboxConfig) -> None:

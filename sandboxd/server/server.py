@@ -91,6 +91,7 @@ class Server:
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
+        self._reloading = asyncio.Lock()
 
     def spec_for(self, user: str) -> SandboxSpec:
         return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory,
@@ -106,7 +107,7 @@ class Server:
         if cfg.seed_tools is not None:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
-        await self.backend.preflight()  # a rootless or remote engine: one line now, not an error per call
+        await self.check(cfg)  # a rootless or remote engine: one line now, not an error per call
         await self._remove_orphans()
         self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
         self._check_data_path_mount()
@@ -353,15 +354,26 @@ class Server:
 
     # -- reload ------------------------------------------------------------------
 
-    def reload(self, load: Callable[[], Config]) -> bool:
-        """Re-read the configuration and apply what can change live; a bad file keeps the old config."""
-        try:
-            new = load()
-        except ConfigError as exc:
-            log.error("config_reload_failed", error=exc.message, hint="the running configuration is unchanged")
-            return False
-        self.apply_config(new)
-        return True
+    async def check(self, config: Config) -> None:
+        """What start-up refuses, asked of ``config`` (ConfigError naming it and its fix): start-up and every reload
+        that changes the sandbox settings call it, so a reload never applies what a restart would refuse."""
+        await self.backend.preflight(config.sandbox)  # asks the engine in a worker thread
+
+    async def reload(self, load: Callable[[], Config]) -> bool:
+        """Re-read the configuration and apply what can change live; a bad file, or one start-up would
+        refuse, keeps the old config. Reloads run one at a time (the check awaits the engine)."""
+        async with self._reloading:
+            try:
+                new = load()
+                change = config_change(self.config, new)
+                if change.touches("sandbox"):
+                    await self.check(change.config)
+            except ConfigError as exc:
+                log.error("config_reload_failed", error=exc.message,
+                          hint="the running configuration is unchanged; fix the file and reload again")
+                return False
+            self.apply_config(new)
+            return True
 
     def _use(self, config: Config) -> None:
         """The one place a configuration reaches the owners that read it live."""
@@ -455,13 +467,20 @@ async def serve(config: Config, backend: Backend | None = None, *, listen_socket
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload(load: Callable[[], Config]) -> None:
+        notifier.reloading()
+        await server.reload(load)
+        notifier.ready(server.describe())
+
     def on_hangup() -> None:
         if reload_config is None:
             log.warning("reload_unavailable", hint="this daemon was started without a configuration source to re-read")
             return
-        notifier.reloading()
-        server.reload(reload_config)
-        notifier.ready(server.describe())
+        task = loop.create_task(reload(reload_config))  # the check before it applies asks the engine
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
 
     # Installed for the whole run: a second signal during shutdown must not kill the
     # daemon half-way (its containers would be left behind); shutdown is bounded anyway.

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sandboxd.config import Config, load_config, needs_restart
+from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging, get_logger
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server
@@ -33,7 +34,7 @@ def test_which_keys_need_a_restart(key: str, restart: bool) -> None:
     assert needs_restart(key) is restart
 
 
-def run(tmp_path: Path, test: Any, *, tool: Any = handler, **settings: Any) -> None:
+def run(tmp_path: Path, test: Any, *, tool: Any = handler, backend: Any = FakeBackend, **settings: Any) -> None:
     base = {"data_path": tmp_path / "data", "socket": Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock",
             "seed_tools": None, "backend": "fake"}
 
@@ -42,7 +43,7 @@ def run(tmp_path: Path, test: Any, *, tool: Any = handler, **settings: Any) -> N
 
     async def main() -> None:
         hello_tree(tmp_path / "data")
-        server = Server(configure(), FakeBackend(tool))
+        server = Server(configure(), backend(tool))
         await server.startup()
         try:
             await test(server, configure)
@@ -121,14 +122,42 @@ def test_a_bad_file_keeps_the_running_configuration(tmp_path: Path) -> None:
 
     async def test(server: Server, configure: Any) -> None:
         before = server.config
-        assert server.reload(lambda: load_config(bad, environ={})) is False
+        assert await server.reload(lambda: load_config(bad, environ={})) is False
         assert server.config is before
-        assert server.reload(lambda: configure(pool={"max_per_user": 2})) is True
+        assert await server.reload(lambda: configure(pool={"max_per_user": 2})) is True
         assert server.config.pool.max_per_user == 2
 
     run(tmp_path, test)
     failure = next(json.loads(line) for line in stream.getvalue().splitlines() if '"config_reload_failed"' in line)
     assert "pool.max_per_user" in failure["error"] and failure["level"] == "error"
+
+
+class RuntimeCheckingBackend(FakeBackend):
+    """A backend whose engine knows no runtime "nosuchruntime", as Docker's preflight would say."""
+
+    async def preflight(self, config: Any = None) -> None:
+        if config is not None and config.runtime == "nosuchruntime":
+            raise ConfigError("sandbox.runtime is 'nosuchruntime', which the Docker engine does not know; "
+                              "register it in the engine's daemon.json (\"runtimes\") or unset sandbox.runtime")
+
+
+def test_a_reload_start_up_would_refuse_keeps_the_running_configuration(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+
+    async def test(server: Server, configure: Any) -> None:
+        backend = server.backend
+        assert isinstance(backend, FakeBackend)
+        before = server.config
+        assert await server.reload(lambda: configure(sandbox={"runtime": "nosuchruntime"}, pool={"max_per_user": 3})) is False
+        assert server.config is before and not backend.reconfigured  # nothing of it applied, not even pool
+        assert await server.reload(lambda: configure(sandbox={"memory": "512m"})) is True  # a good one still applies
+        assert server.config.sandbox.memory == "512m"
+
+    run(tmp_path, test, backend=RuntimeCheckingBackend)
+    failure = next(json.loads(line) for line in stream.getvalue().splitlines() if '"config_reload_failed"' in line)
+    assert "'nosuchruntime', which the Docker engine does not know" in failure["error"], failure
+    assert "running configuration is unchanged" in failure["hint"], failure
 
 
 
