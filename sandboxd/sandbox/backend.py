@@ -18,6 +18,7 @@ from sandboxd.egress.browser_relay import RelayForCall
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
+    from sandboxd.egress.grants import CallGrant
     from sandboxd.egress.secrets import StandIns
     from sandboxd.service.peercred import PeerCredentials
     from sandboxd.tools.discovery import Tool
@@ -30,12 +31,14 @@ ProgressCallback = Callable[[list[Any]], None]
 class EgressCall:
     """What a sandbox is doing, for its egress: the running tool (None when idle), the secrets its
     output is masked against, the running call's stand-ins (egress.secrets) and the browser relay
-    port it was granted (integrations.browser_relay; None when not)."""
+    port it was granted (integrations.browser_relay; None when not); ``grant`` ends the egress connections
+    admitted by these when the call is answered (egress/grants.py; None when idle)."""
 
     tool: str | None
     secrets: frozenset[str]
     stand_ins: StandIns
     relay_port: int | None = None
+    grant: CallGrant | None = None
 
 
 EgressContext = Callable[[], EgressCall]

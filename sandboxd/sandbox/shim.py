@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from sandboxd import strictjson
+from sandboxd.egress.grants import CallGrant
 from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
@@ -210,11 +211,12 @@ class ShimSandbox:
         self._running_tool: str | None = None
         self._stand_ins = StandIns()  # the running call's; none while idle: a stand-in is worth nothing after its call
         self._relay_port: int | None = None
+        self._grant: CallGrant | None = None  # the running call's: ended when it is answered
 
     def egress_context(self) -> EgressCall:
         """The tool running now (None when idle), every secret to mask, the running call's stand-ins and
         the relay port it was granted."""
-        return EgressCall(self._running_tool, self._secrets, self._stand_ins, self._relay_port)
+        return EgressCall(self._running_tool, self._secrets, self._stand_ins, self._relay_port, self._grant)
 
     @property
     def alive(self) -> bool:
@@ -230,6 +232,7 @@ class ShimSandbox:
         self._running_tool = request.tool or None
         self._stand_ins = request.stand_ins or StandIns()
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
+        self._grant = CallGrant()
         future.add_done_callback(self._call_ended)
         return future
 
@@ -237,6 +240,9 @@ class ShimSandbox:
         self._running_tool = None
         self._stand_ins = StandIns()
         self._relay_port = None
+        if self._grant is not None:  # a tunnel to the relay, a request with a secret: they end with the call
+            self._grant.end()
+            self._grant = None
 
     def cancel(self, reason: str) -> None:
         self.channel.cancel(reason)
