@@ -39,6 +39,7 @@ class Admission:
         self.evicted = self.refused = self.timed_out = 0
         self._reported = (0, 0, 0)
         self._last_report = 0.0
+        self._pending: asyncio.TimerHandle | None = None
 
     def admit(self, new: BoundedH11Protocol) -> bool:
         """Make room for ``new`` (closing the oldest connection not mid-request), or False: it is to be refused."""
@@ -55,13 +56,22 @@ class Admission:
         self.open[new] = None
         return True
 
+    def _report_pending(self) -> None:
+        self._pending = None
+        self.report()
+
     def forget(self, conn: BoundedH11Protocol) -> None:
         self.open.pop(conn, None)
 
     def report(self) -> None:
         now = time.monotonic()
         counts = (self.evicted, self.refused, self.timed_out)
-        if now - self._last_report < REPORT_INTERVAL_S or counts == self._reported:
+        if counts == self._reported:
+            return
+        if now - self._last_report < REPORT_INTERVAL_S:
+            if self._pending is None:  # a flood that stops within the interval is still told
+                wait = REPORT_INTERVAL_S - (now - self._last_report)
+                self._pending = asyncio.get_running_loop().call_later(wait, self._report_pending)
             return
         self._last_report = now
         evicted, refused, timed_out = (c - r for c, r in zip(counts, self._reported))
@@ -84,6 +94,7 @@ class BoundedH11Protocol(H11Protocol):
 
     admission: ClassVar[Admission]
     _head_timer: asyncio.TimerHandle | None = None
+    _answered = False  # a response has been sent on this connection
 
     @classmethod
     def bound_by(cls, admission: Admission) -> type[BoundedH11Protocol]:
@@ -113,6 +124,7 @@ class BoundedH11Protocol(H11Protocol):
             self._stop_head_timer()
 
     def on_response_complete(self) -> None:
+        self._answered = True
         self._await_head()  # before super(): a pipelined request it hands on stops this timer again
         super().on_response_complete()
 
@@ -128,7 +140,8 @@ class BoundedH11Protocol(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if not self.mid_request and not self.transport.is_closing():
-            self.admission.timed_out += 1
             self.admission.forget(self)
             self.transport.abort()
-            self.admission.report()
+            if not self._answered:  # an idle keep-alive connection closing is routine, not worth a warning
+                self.admission.timed_out += 1
+                self.admission.report()

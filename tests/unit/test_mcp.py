@@ -212,3 +212,33 @@ def test_http_limits_are_checked_and_held_to_the_open_file_limit(monkeypatch: py
     monkeypatch.setattr(resource, "getrlimit", lambda _which: (64, 64))
     with pytest.raises(ConfigError, match=r"open-file limit \(64\)"):
         connection_cap(100)
+
+
+class _Conn:
+    """A stand-in for a connection: whether it is serving a request, and whether it was closed."""
+
+    def __init__(self, mid_request: bool = False) -> None:
+        self.mid_request, self.aborted = mid_request, False
+        self.transport = self
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_newcomer_past_the_cap_closes_the_oldest_idle_connection_never_one_serving() -> None:
+    from sandboxd.mcp.connections import Admission
+
+    async def scenario() -> None:
+        admission = Admission(3, 5.0)
+        serving, idle_old, idle_new = _Conn(mid_request=True), _Conn(), _Conn()
+        for conn in (serving, idle_old, idle_new):
+            assert admission.admit(conn)  # type: ignore[arg-type]
+        newcomer = _Conn()
+        assert admission.admit(newcomer)  # type: ignore[arg-type]
+        assert idle_old.aborted and not serving.aborted and not idle_new.aborted
+        assert list(admission.open) == [serving, idle_new, newcomer]
+        idle_new.mid_request = newcomer.mid_request = True
+        assert not admission.admit(_Conn())  # type: ignore[arg-type]  # every one is serving: refused
+        assert (admission.evicted, admission.refused) == (1, 1)
+
+    asyncio.run(scenario())
