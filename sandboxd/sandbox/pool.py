@@ -1,25 +1,28 @@
 """Warm sandboxes per user, modelled on httpcore's connection pool.
 
-The pool's state is which sandboxes exist (``_sandboxes``; the same by user in
-``_of_user``), what each is doing (its ``State``) and who waits for one (``_waiters``).
-One synchronous step, ``_plan``, changes it: it settles what the events recorded, hands
-idle sandboxes to waiting callers, and returns what to start and what to destroy; the
-backend calls (slow, fallible) happen after, in ``_apply``. The events only record what
-happened, on the sandbox it happened to (``PooledSandbox``'s facts: its call ended, its
-start finished or failed, the backend removed it) or in ``_waiters`` (a caller came or
-left), and ask for a plan; ``close`` ends it all at once.
+The pool's state is plain collections: which sandboxes exist (``_sandboxes``; the same by
+user in ``_of_user``), what each is doing (its ``State``) and who waits for one
+(``_waiters``). The events only record what happened, on the sandbox it happened to
+(``PooledSandbox``'s facts: its call ended, its start finished or failed, the backend removed
+it) or in ``_waiters`` (a caller came or left), and ask for a plan. ``_plan`` is the one
+decision: a function of that state that returns what to do (a ``Plan``: what becomes idle,
+what to forget, destroy and start, which caller gets which sandbox), written as named steps
+with its cases numbered in its docstring. ``_commit`` applies it to the state, the one place
+the state changes; then ``_act`` does the I/O (the callers' futures, the backend's starts and
+destroys, slow and fallible). ``close`` ends it all at once.
 
-A plan looks at every sandbox and every active user when anyone waits, when room frees
-up, and every second (``maintain``). When nobody waits and only one user's sandboxes
-changed (a call of theirs arrives or ends, they list their tools, a start of theirs
-ends), it looks at that user's sandboxes alone: the same steps and rules, a few µs at any
-pool size, where a walk of everything costs ~1 ms at 500 users on every call's path. A
-caller that is cancelled while it waits never leaks a slot: ``acquire`` gives back
-whatever it was handed.
+A plan looks at every sandbox and every active user when anyone else waits, when room frees
+up, and every second (``maintain``). When nobody else waits and only one user's sandboxes
+changed (a call of theirs arrives or ends, they list their tools, a start of theirs ends), it
+looks at that user's sandboxes alone: the same steps and rules, a few µs at any pool size,
+where a walk of everything costs ~1 ms at 500 users on every call's path. What such a plan
+cannot do for an arriving caller (evict another user's sandbox) a plan of everything does. A
+caller that is cancelled while it waits never leaks a slot: ``acquire`` gives back whatever
+it was handed.
 
 Users share the pool max-min fairly, with the last ``pool.reserve`` slots kept for users'
-first calls: sharing.py decides whose turn it is and what serves it, and ``_plan`` carries
-each decision out. The records (``PooledSandbox``, ``Waiter``, ``Plan``) are pooled.py's.
+first calls: sharing.py decides whose turn it is and what serves it, and returns those
+decisions for the plan. The records (``PooledSandbox``, ``Waiter``, ``Plan``) are pooled.py's.
 
 A sandbox being destroyed stays in ``_sandboxes`` (STOPPING) until the backend has
 removed it, so the limits bound the containers that exist, not just the usable
@@ -30,7 +33,6 @@ burning CPU while the engine works through their removals.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from typing import Any, Callable
 
@@ -39,7 +41,7 @@ from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, Shutt
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.pooled import BUSY, HELD, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import Actions, Counts, holdings, serve_fairly
+from sandboxd.sandbox.sharing import Counts, Hand, Limits, Start, holdings, serve_fairly
 
 __all__ = ["Pool", "PooledSandbox", "State"]
 
@@ -88,31 +90,33 @@ class Pool:
         if self._closing:
             raise ShuttingDown()
         self._last_call[user] = self._clock()
-        if not self._waiters:
-            # The common call: nobody waits, so a plan of this user's sandboxes alone hands it
-            # their idle one if they have one (and the reserve allows).
-            plan = self._plan(user, caller=True)
-            self._apply(plan)
-            if plan.handed is not None:
-                return plan.handed
         waiter = Waiter(user, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        self._apply(self._plan())
+        # Alone in the queue, the caller's own sandboxes decide (the common call: their idle one is
+        # handed over at once); what that plan cannot do for them, a plan of everything does.
+        alone = len(self._waiters) == 1
+        plan = self._apply(self._plan(user if alone else None))
+        if alone and not waiter.future.done() and not plan.start:
+            self._apply(self._plan())
         timeout = self.config.acquire_timeout_ms / 1000 if timeout is None else timeout
         try:
-            if waiter.future.done():  # served by that plan already
+            if waiter.future.done():  # served (or failed) by those plans already
                 return waiter.future.result()
             async with asyncio.timeout(timeout):
                 return await waiter.future
         except BaseException as exc:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-            # Handed a sandbox in the same tick we were cancelled or timed out: give it back.
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(waiter.future.result(), reusable=True, counted=False)
+            self._leave(waiter)
             if isinstance(exc, TimeoutError):
                 raise self._refusal(user, timeout) from None
             raise
+
+    def _leave(self, waiter: Waiter) -> None:
+        """A caller stops waiting (timed out, cancelled): it leaks no slot."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        # Handed a sandbox in the same tick we were cancelled or timed out: give it back.
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            self.release(waiter.future.result(), reusable=True, counted=False)
 
     def warm(self, user: str) -> None:
         """``user`` is about to call (a session just listed their tools): start their min_idle now.
@@ -166,10 +170,7 @@ class Pool:
             if not waiter.future.done():
                 waiter.future.set_exception(ShuttingDown())
         self._waiters.clear()
-        deadline = self._clock() + grace
-        # No plan runs from here on: a call's end stays a recorded fact.
-        while any(p.state is BUSY and not p.call_ended for p in self._sandboxes) and self._clock() < deadline:
-            await asyncio.sleep(0.05)
+        await self._calls_end(grace)
         doomed = [p for p in self._sandboxes if p.state is not STOPPING]  # those are on their way already
         self._sandboxes.clear()
         self._of_user.clear()
@@ -185,6 +186,13 @@ class Pool:
                 log.warning("shutdown_destroy_timeout", pending=len(pending), timeout_s=destroy_timeout)
                 for task in pending:
                     task.cancel()
+
+    async def _calls_end(self, grace: float) -> None:
+        """Wait up to ``grace`` s for the calls under way to end."""
+        deadline = self._clock() + grace
+        # No plan runs from here on: a call's end stays a recorded fact.
+        while any(p.state is BUSY and not p.call_ended for p in self._sandboxes) and self._clock() < deadline:
+            await asyncio.sleep(0.05)
 
     def __repr__(self) -> str:
         counts = {state: 0 for state in State}
@@ -217,126 +225,218 @@ class Pool:
         """Plan after an event on ``user``'s sandboxes: theirs alone while nobody waits, else everything."""
         self._apply(self._plan(None if self._waiters else user))
 
-    def _plan(self, user: str | None = None, *, caller: bool = False) -> Plan:
-        """The one step that changes the pool's state; no awaits here. Returns what to start and destroy.
+    def _plan(self, user: str | None = None) -> Plan:
+        """What to do now, as a function of the pool's state alone: nothing changes here (``_commit``
+        applies the plan), nothing awaits. ``user``: only their sandboxes changed and nobody else
+        waits, so only theirs are looked at; None: everything. The cases, in the order decided:
 
-        ``user``: nobody waits and only this user's sandboxes changed, so only theirs are looked
-        at. ``caller``: a call of ``user`` arrives; ``plan.handed`` is the idle sandbox it takes,
-        or None: it must queue, and nothing is started for it here (the full plan it queues for
-        decides).
+        1. A call or a start that ended leaves its sandbox idle.
+        2. A sandbox the backend removed is forgotten; a failed start too: its user backs off
+           (START_BACKOFF_S) and its user's callers get the error now, not at their deadline
+           (each retry re-checks the backend).
+        3. An idle sandbox is destroyed if it died, a call left it spent, it has old settings,
+           its user went quiet, or it was idle past the TTL beyond its user's min_idle.
+        4. A user quiet past the TTL with nothing left is forgotten (plans of everything only).
+        5. A caller whose wait ended (cancelled, timed out) leaves the queue.
+        6. The waiting callers are served in fair turns (sharing.serve_fairly): their own idle
+           sandbox, a start in free room, room on its way, or another user's idle one evicted.
+        7. A user who called or listed within the TTL gets starts up to min_idle, in room outside
+           the reserve: never evicting, not while their callers wait (a second start at once
+           slows theirs: docker create/start share the CPU), not within a backoff.
         """
-        plan = Plan()
+        plan = Plan(self._clock())
         if self._closing:
             return plan
-        now, cfg = self._clock(), self.config
-
-        # 1. Settle what the events recorded: a call or a start that ended leaves its sandbox idle, a
-        #    removed one is forgotten, a failed start too (its user's callers get the error now, not at
-        #    their deadline; each retry re-checks the backend). Stop idle sandboxes that died, that a
-        #    call left spent, that belong to users gone quiet, or beyond min_idle past the TTL.
-        idle_of: dict[str, list[PooledSandbox]] = {}  # in pool order, as step 2 hands them out
-        held_total = 0  # of the sandboxes looked at: in all, or the one user's
-        ttl, last_call, generation = cfg.idle_ttl_s, self._last_call, self._generation
-        for pooled in list(self._sandboxes if user is None else self._of_user.get(user, ())):
-            owner, state = pooled.user, pooled.state
-            if pooled.call_ended or (state is STARTING and pooled.sandbox is not None):
-                state = pooled.state = IDLE  # and judged as idle below
-                pooled.since, pooled.call_ended = now, False
-            if state is BUSY:
-                held_total += 1
-            elif state is STARTING:
-                if pooled.start_error is None:
-                    held_total += 1
-                    continue
-                self._forget(pooled)
-                self._backoff_until[owner] = now + START_BACKOFF_S
-                for waiter in [w for w in self._waiters if w.user == owner]:
-                    self._waiters.remove(waiter)
-                    if not waiter.future.done():
-                        waiter.future.set_exception(pooled.start_error)
-            elif state is STOPPING:
-                if pooled.removed:
-                    self._forget(pooled)
-            else:
-                alive = pooled.sandbox is not None and pooled.sandbox.alive
-                kept = idle_of.get(owner)
-                # Spent, dead, of old settings, its user gone quiet, or idle past the TTL beyond min_idle
-                # (cheapest tests first: this runs at every call's acquire and release).
-                if (pooled.spent or not alive or pooled.generation != generation or now - last_call.get(owner, 0.0) > ttl
-                        or now - pooled.since > ttl and (len(kept) if kept else 0) >= cfg.min_idle):
-                    if not alive and not pooled.spent:  # died while idle (a spent one was counted)
-                        self.stats["crashed"] += 1
-                    plan.destroy.append(self._stopping(pooled, now))
-                elif kept is None:
-                    idle_of[owner] = [pooled]
-                else:
-                    kept.append(pooled)
+        counts, idle_of = self._settle(user, plan)  # 1, 2, 3
         if user is None:
-            for quiet in [u for u, t in self._last_call.items() if now - t > cfg.idle_ttl_s]:
-                if quiet not in self._of_user and not any(w.user == quiet for w in self._waiters):
-                    del self._last_call[quiet]
-
-        # 2. Serve the waiting callers, fairly across users; or the one arriving caller.
-        queues: dict[str, collections.deque[Waiter]] = {}
-        if user is None:
-            for waiter in list(self._waiters):
-                if waiter.future.done():  # cancelled or failed while queued
-                    self._waiters.remove(waiter)
-                else:
-                    queues.setdefault(waiter.user, collections.deque()).append(waiter)
-            if queues:
-                self._serve(queues, idle_of, held_total, plan, now)
-        elif caller:
-            mine = idle_of.get(user)
-            # The reserve is for first calls: a user already holding one waits once the pool holds its
-            # ceiling (held_total is theirs here; everyone's is counted only when the pool is that full).
-            into_reserve = (held_total and len(self._sandboxes) >= self._ceiling()
-                            and self._held() >= self._ceiling())
-            if not mine or into_reserve:
-                return plan
-            plan.handed = self._hand_out(mine.pop(0), now)
-
-        # 3. Keep min_idle warm sandboxes for users who called within the TTL (never evicting for it).
-        #    Not while the user's callers wait for starts: a second start at the same time slows
-        #    theirs (docker create/start share the CPU); the spare follows once they are served.
-        for active in (self._last_call if user is None else (user,)):
-            # idle_of holds what is left idle after step 2: a user with enough needs no count (the common case).
-            if (now - last_call.get(active, 0.0) > cfg.idle_ttl_s or len(idle_of.get(active, ())) >= cfg.min_idle
-                    or queues.get(active)):
-                continue
-            self._keep_warm(active, plan, now)
+            plan.quiet = self._quiet_users(plan.now)  # 4
+        queues = self._queues(plan)  # 5 (and 2's callers)
+        if queues:
+            self._serve(user, queues, idle_of, counts, plan)  # 6
+        self._keep_warm(user, queues, idle_of, counts, plan)  # 7
         return plan
 
-    def _serve(self, queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
-               held_total: int, plan: Plan, now: float) -> None:
-        """Step 2 of _plan: sharing.serve_fairly decides the turns (max-min fair, the reserve kept
-        for first calls); the actions make each decision here, on the pool's state, at once."""
-        counts = Counts(held={user: self._count(user, *HELD) for user in queues},
-                        starting={user: self._count(user, STARTING) for user in queues},
-                        owned={user: len(self._of_user.get(user, ())) for user in queues},
-                        total=len(self._sandboxes), held_total=held_total,
-                        stopping=sum(1 for p in self._sandboxes if p.state is STOPPING))
-        serve_fairly(queues, idle_of, {waiter: i for i, waiter in enumerate(self._waiters)}, counts,
-                     max_per_user=self.config.max_per_user, max_total=self.config.max_total,
-                     ceiling=self._ceiling(),
-                     act=Actions(hand=lambda waiter, pooled: self._give(waiter, pooled, now),
-                                 start=lambda user: plan.start.append(self._new(user, now)),
-                                 evict=lambda pooled: plan.destroy.append(self._stopping(pooled, now))))
+    def _settle(self, user: str | None, plan: Plan) -> tuple[Counts, dict[str, list[PooledSandbox]]]:
+        """Cases 1 to 3 for each sandbox looked at; returns the counts after them, and each user's
+        sandboxes left idle, in pool order (as case 6 hands them out)."""
+        counts = Counts(held={}, starting={}, owned={}, total=len(self._sandboxes), held_total=0, stopping=0)
+        idle_of: dict[str, list[PooledSandbox]] = {}
+        for pooled in self._sandboxes if user is None else self._of_user.get(user, ()):
+            owner = pooled.user
+            state, since = self._settled(pooled, plan)  # 1
+            if self._gone(pooled, state, plan):  # 2
+                counts.total -= 1
+                continue
+            _bump(counts.owned, owner)
+            if state is IDLE:
+                kept = idle_of.setdefault(owner, [])
+                if self._retired(pooled, since, len(kept), plan.now):  # 3
+                    plan.destroy.append(pooled)
+                    counts.stopping += 1
+                else:
+                    kept.append(pooled)
+            elif state is STOPPING:
+                counts.stopping += 1
+            else:
+                _bump(counts.held, owner)
+                counts.held_total += 1
+                if state is STARTING:
+                    _bump(counts.starting, owner)
+        return counts, idle_of
 
-    def _give(self, waiter: Waiter, pooled: PooledSandbox, now: float) -> None:
-        self._waiters.remove(waiter)
-        waiter.future.set_result(self._hand_out(pooled, now))
+    @staticmethod
+    def _settled(pooled: PooledSandbox, plan: Plan) -> tuple[State, float]:
+        """Case 1: the sandbox's state and since when, once what its events recorded is settled."""
+        if pooled.call_ended or (pooled.state is STARTING and pooled.sandbox is not None):
+            plan.ready.append(pooled)
+            return IDLE, plan.now
+        return pooled.state, pooled.since
 
-    def _keep_warm(self, user: str, plan: Plan, now: float) -> None:
-        """Step 3 of _plan for one user who called or listed within the TTL: start what min_idle
-        misses, in room outside the reserve. It never evicts, and waits out the backoff after a failed start."""
-        if now < self._backoff_until.get(user, 0.0):
+    @staticmethod
+    def _gone(pooled: PooledSandbox, state: State, plan: Plan) -> bool:
+        """Case 2: removed by the backend, or its start failed: no longer the pool's."""
+        if state is STOPPING and pooled.removed:
+            plan.forget.append(pooled)
+            return True
+        if state is STARTING and pooled.start_error is not None:
+            plan.failed.append(pooled)
+            return True
+        return False
+
+    def _retired(self, pooled: PooledSandbox, since: float, kept: int, now: float) -> bool:
+        """Case 3: this idle sandbox is destroyed (``kept``: its user's idle ones kept before it).
+        The cheapest tests first: this runs at every call's acquire and release."""
+        ttl = self.config.idle_ttl_s
+        return (pooled.spent or not self._alive(pooled) or pooled.generation != self._generation
+                or now - self._last_call.get(pooled.user, 0.0) > ttl
+                or (now - since > ttl and kept >= self.config.min_idle))
+
+    def _quiet_users(self, now: float) -> list[str]:
+        """Case 4: users quiet past the TTL with no sandbox and no caller left (listing costs nothing)."""
+        ttl, waiting = self.config.idle_ttl_s, {waiter.user for waiter in self._waiters}
+        return [user for user, last in self._last_call.items()
+                if now - last > ttl and user not in self._of_user and user not in waiting]
+
+    def _queues(self, plan: Plan) -> dict[str, list[Waiter]]:
+        """Case 5, and case 2's callers: each user's callers left waiting, in arrival order."""
+        failed = {pooled.user: pooled.start_error for pooled in plan.failed}
+        queues: dict[str, list[Waiter]] = {}
+        for waiter in self._waiters:
+            error = failed.get(waiter.user)
+            if waiter.future.done():  # cancelled or timed out while queued
+                plan.drop.append(waiter)
+            elif error is not None:
+                plan.fail.append((waiter, error))
+            else:
+                queues.setdefault(waiter.user, []).append(waiter)
+        return queues
+
+    def _serve(self, user: str | None, queues: dict[str, list[Waiter]], idle_of: dict[str, list[PooledSandbox]],
+               counts: Counts, plan: Plan) -> None:
+        """Case 6: sharing.serve_fairly decides the turns; its decisions go into the plan, and into
+        the counts, idle sandboxes and queues that case 7 reads."""
+        if user is not None:
+            self._count_elsewhere(user, counts, sum(map(len, queues.values())))
+        limits = Limits(self.config.max_per_user, self.config.max_total, self._ceiling())
+        arrival = {waiter: i for i, waiter in enumerate(self._waiters)}
+        for decision in serve_fairly(queues, idle_of, arrival, counts, limits):
+            if isinstance(decision, Hand):
+                plan.hand.append((decision.waiter, decision.sandbox))
+                idle_of[decision.sandbox.user].remove(decision.sandbox)
+                queues[decision.waiter.user].remove(decision.waiter)
+            elif isinstance(decision, Start):
+                self._plan_start(decision.user, counts, plan)
+            else:
+                plan.destroy.append(decision.sandbox)
+                idle_of[decision.sandbox.user].remove(decision.sandbox)
+
+    def _count_elsewhere(self, user: str, counts: Counts, waiting: int) -> None:
+        """For a plan of ``user`` alone: add the rest of the pool's held and stopping sandboxes to
+        ``counts``; only near the ceiling, the only place case 6 reads them (below it, with
+        ``waiting`` turns at most, no test of the ceiling or of room on its way can come out true)."""
+        if counts.total + waiting < self._ceiling():
             return
-        cfg, ceiling = self.config, self._ceiling()
-        for _ in range(cfg.min_idle - self._count(user, IDLE, STARTING)):
-            if len(self._of_user.get(user, ())) >= cfg.max_per_user or len(self._sandboxes) >= ceiling:
-                break
-            plan.start.append(self._new(user, now))
+        for pooled in self._sandboxes:
+            if pooled.user == user:
+                continue
+            if pooled.state is STOPPING and not pooled.removed:
+                counts.stopping += 1
+            elif _still_held(pooled):
+                counts.held_total += 1
+
+    def _keep_warm(self, user: str | None, queues: dict[str, list[Waiter]], idle_of: dict[str, list[PooledSandbox]],
+                   counts: Counts, plan: Plan) -> None:
+        """Case 7, for each user who called or listed within the TTL (or the one user looked at)."""
+        cfg, now = self.config, plan.now
+        backing_off = {pooled.user for pooled in plan.failed}
+        for active in self._last_call if user is None else (user,):
+            if queues.get(active) or active in backing_off or not self._wants_spare(active, idle_of, now):
+                continue
+            missing = cfg.min_idle - len(idle_of.get(active, ())) - counts.starting.get(active, 0)
+            for _ in range(missing):
+                if counts.owned.get(active, 0) >= cfg.max_per_user or counts.total >= self._ceiling():
+                    break
+                self._plan_start(active, counts, plan)
+
+    def _wants_spare(self, user: str, idle_of: dict[str, list[PooledSandbox]], now: float) -> bool:
+        """Case 7's user: active within the TTL, short of min_idle, past any backoff."""
+        cfg = self.config
+        # idle_of holds what is left idle after case 6: a user with enough needs no count (the common case).
+        return (len(idle_of.get(user, ())) < cfg.min_idle and now - self._last_call.get(user, 0.0) <= cfg.idle_ttl_s
+                and now >= self._backoff_until.get(user, 0.0))
+
+    @staticmethod
+    def _plan_start(user: str, counts: Counts, plan: Plan) -> None:
+        plan.start.append(user)
+        _bump(counts.owned, user)
+        _bump(counts.starting, user)
+        counts.total += 1
+
+    # -- applying a plan: the state, then the I/O ------------------------------
+
+    def _apply(self, plan: Plan) -> Plan:
+        if plan:  # the common empty plan: a plan of a user whose sandboxes did not change
+            self._act(plan, self._commit(plan))
+        return plan
+
+    def _commit(self, plan: Plan) -> list[PooledSandbox]:
+        """Apply ``plan`` to the pool's state: the one place it changes. Returns the records of the
+        sandboxes to start."""
+        now = plan.now
+        for pooled in plan.ready:
+            pooled.state, pooled.since, pooled.call_ended = IDLE, now, False
+        for pooled in plan.forget + plan.failed:
+            self._forget(pooled)
+        for pooled in plan.failed:
+            self._backoff_until[pooled.user] = now + START_BACKOFF_S
+        for pooled in plan.destroy:
+            if not self._alive(pooled) and not pooled.spent:
+                self.stats["crashed"] += 1  # died while idle (a spent one was counted at its release)
+            pooled.state, pooled.since = STOPPING, now
+        for quiet in plan.quiet:
+            del self._last_call[quiet]
+        self._commit_waiters(plan)
+        return [self._new(user, now) for user in plan.start]
+
+    def _commit_waiters(self, plan: Plan) -> None:
+        for _waiter, pooled in plan.hand:
+            pooled.state, pooled.since = BUSY, plan.now
+        left = {*plan.drop, *(waiter for waiter, _ in plan.fail), *(waiter for waiter, _ in plan.hand)}
+        if left:
+            self._waiters[:] = [waiter for waiter in self._waiters if waiter not in left]
+
+    def _act(self, plan: Plan, started: list[PooledSandbox]) -> None:
+        """The plan's I/O, once the state is settled: tell the callers, then start and destroy."""
+        for waiter, pooled in plan.hand:
+            waiter.future.set_result(pooled)
+        for waiter, error in plan.fail:
+            waiter.future.set_exception(error)
+        for pooled in started:
+            task = self._spawn(self._start(pooled))
+            self._starts.add(task)
+            task.add_done_callback(self._starts.discard)
+        for pooled in plan.destroy:  # idle ones only: each has its sandbox
+            self._spawn(self._destroy(pooled))
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
         """Why ``user``'s wait ran out, counted by reason, in words that say what to do."""
@@ -366,11 +466,6 @@ class Pool:
         if not mine:
             del self._of_user[pooled.user]
 
-    @staticmethod
-    def _hand_out(pooled: PooledSandbox, now: float) -> PooledSandbox:
-        pooled.state, pooled.since = BUSY, now
-        return pooled
-
     def _new(self, user: str, now: float) -> PooledSandbox:
         pooled = PooledSandbox(user, STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
@@ -378,16 +473,6 @@ class Pool:
         return pooled
 
     # -- side effects -------------------------------------------------------
-
-    def _apply(self, plan: Plan) -> None:
-        if not (plan.start or plan.destroy):
-            return  # the common plan: a call took or gave back a sandbox
-        for pooled in plan.start:
-            task = self._spawn(self._start(pooled))
-            self._starts.add(task)
-            task.add_done_callback(self._starts.discard)
-        for pooled in plan.destroy:  # idle ones only: each has its sandbox
-            self._spawn(self._destroy(pooled))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -431,11 +516,6 @@ class Pool:
             self._replan(pooled.user)
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
 
-    @staticmethod
-    def _stopping(pooled: PooledSandbox, now: float) -> PooledSandbox:
-        pooled.state, pooled.since = STOPPING, now
-        return pooled
-
     async def _destroy(self, pooled: PooledSandbox) -> None:
         assert pooled.sandbox is not None
         self.stats["destroyed"] += 1
@@ -446,3 +526,14 @@ class Pool:
             pooled.removed = True
             if not self._closing:
                 self._apply(self._plan())
+
+
+def _bump(counts: dict[str, int], user: str) -> None:
+    counts[user] = counts.get(user, 0) + 1
+
+
+def _still_held(pooled: PooledSandbox) -> bool:
+    """Busy or starting, once its recorded events are settled (case 1 and 2 of ``Pool._plan``)."""
+    if pooled.state is BUSY:
+        return not pooled.call_ended
+    return pooled.state is STARTING and pooled.sandbox is None and pooled.start_error is None

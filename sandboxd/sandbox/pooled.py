@@ -1,6 +1,7 @@
 """The pool's records: a sandbox as the pool sees it (``PooledSandbox``, its ``State`` and the
 facts events record on it), a caller waiting for one (``Waiter``), and what a plan decided
-(``Plan``). The pool (pool.py) changes them in one step; sharing.py reads them."""
+(``Plan``). The pool (pool.py) decides from them in one function and changes them in one
+place; sharing.py reads them."""
 
 from __future__ import annotations
 
@@ -53,11 +54,25 @@ class Waiter:
 
 
 class Plan:
-    """What a plan decided for ``_apply`` to do (a plain class: one is made twice per call)."""
+    """What ``Pool._plan`` decided, by its numbered cases, for the pool to apply: first to its
+    state (``Pool._commit``, in one place), then by I/O (``Pool._act``). A plain class with
+    slots: two are made per call."""
 
-    __slots__ = ("start", "destroy", "handed")
+    __slots__ = ("now", "ready", "forget", "failed", "destroy", "quiet", "drop", "fail", "hand", "start")
 
-    def __init__(self) -> None:
-        self.start: list[PooledSandbox] = []
-        self.destroy: list[PooledSandbox] = []
-        self.handed: PooledSandbox | None = None  # what the arriving caller of a one-user plan took
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.ready: list[PooledSandbox] = []  # 1. its call or its start ended: idle from now
+        self.forget: list[PooledSandbox] = []  # 2. removed by the backend
+        self.failed: list[PooledSandbox] = []  # 2. its start failed: forgotten, its user backs off
+        self.destroy: list[PooledSandbox] = []  # 3. and 6. idle ones, to destroy
+        self.quiet: list[str] = []  # 4. users quiet past the TTL, with nothing left
+        self.drop: list[Waiter] = []  # 5. callers whose wait ended (their future is done)
+        self.fail: list[tuple[Waiter, SandboxdError]] = []  # 2. callers of a user whose start failed, and why
+        self.hand: list[tuple[Waiter, PooledSandbox]] = []  # 6. who gets which idle sandbox
+        self.start: list[str] = []  # 6. and 7. a user per sandbox to start
+
+    def __bool__(self) -> bool:
+        """Anything to do (an empty plan is the common one while nothing changes)."""
+        return bool(self.ready or self.forget or self.failed or self.destroy or self.quiet or self.drop
+                    or self.fail or self.hand or self.start)

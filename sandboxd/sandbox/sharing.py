@@ -1,8 +1,8 @@
 """Max-min fair service of the callers waiting for sandboxes (docs/design.md, "Sharing the pool").
 
-Step 2 of ``Pool._plan``, as a function of what the plan has counted: it decides, turn by turn,
-and says each decision through ``Actions``, which ``_plan`` supplies, so the pool's state still
-changes in ``_plan`` alone. The rules:
+Case 6 of ``Pool._plan``, as a pure function of what the plan has counted: ``serve_fairly``
+returns its decisions (``Hand``, ``Start``, ``Evict``), in the order it took them, and changes
+nothing it is given; the pool applies them to its state. The rules:
 
 Users take turns, the one holding fewest first (ties: one with an idle sandbox of its own, then
 the one waiting longest), one caller a turn; a user's own callers are served first come, first
@@ -16,85 +16,151 @@ take the last ``pool.reserve`` slots (the ceiling). No running call is ever stop
 
 from __future__ import annotations
 
-import collections
 import heapq
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
 
 from sandboxd.config import PoolConfig
 from sandboxd.sandbox.pooled import HELD, PooledSandbox, Waiter
 
 
 @dataclass(frozen=True, slots=True)
-class Actions:
-    """What a turn can decide; ``Pool._plan`` supplies each, and carries it out on the pool's state at once."""
+class Hand:
+    """Give ``waiter`` this idle sandbox of its user."""
 
-    hand: Callable[[Waiter, PooledSandbox], None]  # give the waiter this idle sandbox of its user
-    start: Callable[[str], None]  # start a sandbox for the user in free room
-    evict: Callable[[PooledSandbox], None]  # destroy this idle sandbox of another user, to make room
+    waiter: Waiter
+    sandbox: PooledSandbox
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Start a sandbox for ``user`` in free room (it will serve one of their callers)."""
+
+    user: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Destroy this idle sandbox of another user, to make room for ``user``."""
+
+    sandbox: PooledSandbox
+    user: str
+
+
+Decision = Hand | Start | Evict
+
+
+@dataclass(slots=True)
 class Counts:
-    """The pool as the turns see it, counted by ``_plan`` before them; the turns keep it current."""
+    """The pool as the turns see it, counted by the plan before them (a user missing counts 0)."""
 
-    held: dict[str, int]  # each waiting user's sandboxes busy or starting
+    held: dict[str, int]  # each user's sandboxes busy or starting
     starting: dict[str, int]  # of those, starting: each will serve one caller
-    owned: dict[str, int]  # each waiting user's sandboxes in any state (for max_per_user)
+    owned: dict[str, int]  # each user's sandboxes in any state (for max_per_user)
     total: int  # sandboxes in the pool, in any state (for max_total)
     held_total: int  # sandboxes held for calls, in all (for the ceiling)
     stopping: int  # sandboxes being destroyed: each frees a slot once the engine has removed it
 
 
-def serve_fairly(queues: dict[str, collections.deque[Waiter]], idle_of: dict[str, list[PooledSandbox]],
-                 arrival: dict[Waiter, int], counts: Counts, *, max_per_user: int, max_total: int, ceiling: int,
-                 act: Actions) -> None:
-    """Serve ``queues`` (each waiting user's callers, in arrival order) in fair turns, from
-    ``idle_of`` (each user's idle sandboxes, in pool order; taken from as they are handed out or
-    evicted). ``arrival``: each waiter's place in the pool's queue."""
-    held, covered = counts.held, dict(counts.starting)
-    claimed = dict.fromkeys(queues, 0)  # room on its way or evicted for them, in this plan
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_per_user: int
+    max_total: int
+    ceiling: int  # max_total less the reserve: calls beyond a user's first stop here
 
-    def turn(user: str) -> tuple[int, int, int, str]:
-        return held[user], 0 if idle_of.get(user) else 1, arrival[queues[user][0]], user
 
-    heap = [turn(user) for user in queues]
+@dataclass
+class _Turns:
+    """The turns' own copy of the counts, kept current as they decide."""
+
+    queues: Mapping[str, Sequence[Waiter]]
+    idle_of: dict[str, list[PooledSandbox]]
+    arrival: Mapping[Waiter, int]
+    counts: Counts
+    limits: Limits
+    served: dict[str, int] = field(default_factory=dict)  # callers handed a sandbox, per user
+    covered: dict[str, int] = field(default_factory=dict)  # callers a start or claimed room will serve
+    claimed: dict[str, int] = field(default_factory=dict)  # room on its way or evicted for them
+
+    def key(self, user: str) -> tuple[int, int, int, str]:
+        """Whose turn: fewest held, then one with an idle sandbox of its own, then the longest waiting."""
+        first = self.queues[user][self.served[user]]
+        return self.counts.held.get(user, 0), 0 if self.idle_of.get(user) else 1, self.arrival[first], user
+
+    def left(self, user: str) -> int:
+        return len(self.queues[user]) - self.served[user]
+
+    def another(self, user: str) -> bool:
+        """``user`` needs another turn: a caller left that no start covers, or an idle sandbox to hand."""
+        return bool(self.left(user) and (self.left(user) > self.covered[user] or self.idle_of.get(user)))
+
+    def take(self, user: str) -> Decision | bool:
+        """One turn of ``user``: a decision, True (room on its way claimed), or False (they wait)."""
+        counts = self.counts
+        if counts.held.get(user, 0) and counts.held_total >= self.limits.ceiling:
+            return False  # the reserve is for first calls: this user waits for a release
+        idle = self.idle_of.get(user)
+        if idle:
+            waiter = self.queues[user][self.served[user]]
+            self.served[user] += 1
+            return Hand(waiter, idle.pop(0))
+        if self.left(user) <= self.covered[user]:
+            return False  # every caller of theirs left is covered by a start
+        if counts.owned.get(user, 0) + self.claimed[user] >= self.limits.max_per_user:
+            return False  # at their own limit: their callers wait for their own releases
+        made = self.room(user)
+        if made is not False:
+            self.covered[user] += 1
+        return made
+
+    def room(self, user: str) -> Decision | bool:
+        """Room for one more of ``user``'s sandboxes: a start, room on its way, or an eviction."""
+        counts = self.counts
+        if counts.total < self.limits.max_total:
+            counts.owned[user] = counts.owned.get(user, 0) + 1
+            counts.total += 1
+            return Start(user)
+        self.claimed[user] += 1
+        if counts.stopping:
+            counts.stopping -= 1
+            return True
+        victim = _victim(user, counts.held, self.queues, self.idle_of)
+        if victim is None:
+            self.claimed[user] -= 1
+            return False  # nobody has anything to give up until a release
+        self.idle_of[victim.user].remove(victim)
+        return Evict(victim, user)
+
+
+def serve_fairly(queues: Mapping[str, Sequence[Waiter]], idle_of: Mapping[str, Sequence[PooledSandbox]],
+                 arrival: Mapping[Waiter, int], counts: Counts, limits: Limits) -> list[Decision]:
+    """The decisions that serve ``queues`` (each waiting user's callers, in arrival order) in fair
+    turns, from ``idle_of`` (each user's idle sandboxes, in pool order). ``arrival``: each waiter's
+    place in the pool's queue. Nothing given is changed: the turns count on copies."""
+    turns = _Turns(queues, {user: list(idle) for user, idle in idle_of.items()}, arrival,
+                   Counts(dict(counts.held), dict(counts.starting), dict(counts.owned), counts.total,
+                          counts.held_total, counts.stopping), limits,
+                   served=dict.fromkeys(queues, 0), covered={user: counts.starting.get(user, 0) for user in queues},
+                   claimed=dict.fromkeys(queues, 0))
+    decisions: list[Decision] = []
+    heap = [turns.key(user) for user in queues if queues[user]]
     heapq.heapify(heap)
     while heap:
         user = heapq.heappop(heap)[-1]
-        queue, idle = queues[user], idle_of.get(user)
-        if held[user] and counts.held_total >= ceiling:
-            continue  # the reserve is for first calls: this user waits for a release
-        if idle:
-            act.hand(queue.popleft(), idle.pop(0))
-        elif len(queue) > covered[user]:
-            if counts.owned[user] + claimed[user] >= max_per_user:
-                continue  # at their own limit: their callers wait for their own releases
-            if counts.total < max_total:
-                act.start(user)
-                counts.owned[user] += 1
-                counts.total += 1
-            elif counts.stopping:
-                counts.stopping -= 1
-                claimed[user] += 1
-            else:
-                victim = _victim(user, held, queues, idle_of)
-                if victim is None:
-                    continue  # nobody has anything to give up until a release
-                idle_of[victim.user].remove(victim)
-                act.evict(victim)
-                claimed[user] += 1
-            covered[user] += 1
-        else:
-            continue  # every caller of theirs is covered by a start
-        held[user] += 1
-        counts.held_total += 1
-        if queue and (len(queue) > covered[user] or idle_of.get(user)):
-            heapq.heappush(heap, turn(user))
+        made = turns.take(user)
+        if made is False:
+            continue
+        if made is not True:
+            decisions.append(made)
+        turns.counts.held[user] = turns.counts.held.get(user, 0) + 1
+        turns.counts.held_total += 1
+        if turns.another(user):
+            heapq.heappush(heap, turns.key(user))
+    return decisions
 
 
-def _victim(user: str, held: dict[str, int], queues: dict[str, collections.deque[Waiter]],
-            idle_of: dict[str, list[PooledSandbox]]) -> PooledSandbox | None:
+def _victim(user: str, held: Mapping[str, int], queues: Mapping[str, Sequence[Waiter]],
+            idle_of: Mapping[str, Sequence[PooledSandbox]]) -> PooledSandbox | None:
     """The idle sandbox of another user to evict for ``user``, or None: a spare of a user nobody
     of whom waits (the longest idle first), else one of a waiting user holding more than ``user``
     (the one holding most first)."""
@@ -104,7 +170,7 @@ def _victim(user: str, held: dict[str, int], queues: dict[str, collections.deque
             continue
         if owner not in queues:
             key = (0, min(p.since for p in idle))
-        elif held[owner] > held[user]:
+        elif held.get(owner, 0) > held.get(user, 0):
             key = (1, -held[owner])
         else:
             continue

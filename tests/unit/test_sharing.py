@@ -1,30 +1,22 @@
-"""sharing.serve_fairly on its own: what each turn decides, from counts, with no pool around it
+"""sharing.serve_fairly on its own: the decisions it returns, from counts, with no pool around it
 (the pool's own tests, test_pool.py, cover the same rules through acquire and release)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 from typing import Any
 
 from sandboxd.sandbox.pooled import PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import Actions, Counts, serve_fairly
+from sandboxd.sandbox.sharing import Counts, Decision, Evict, Hand, Limits, Start, serve_fairly
 
 
-class Recorded:
-    """The decisions, in order."""
-
-    def __init__(self) -> None:
-        self.decisions: list[tuple[str, str]] = []
-
-    def hand(self, waiter: Waiter, pooled: PooledSandbox) -> None:
-        self.decisions.append(("hand", f"{waiter.user}<-{pooled.user}"))
-
-    def start(self, user: str) -> None:
-        self.decisions.append(("start", user))
-
-    def evict(self, pooled: PooledSandbox) -> None:
-        self.decisions.append(("evict", pooled.user))
+def said(decision: Decision) -> tuple[str, str]:
+    """A decision in words: who gets what."""
+    if isinstance(decision, Hand):
+        return "hand", f"{decision.waiter.user}<-{decision.sandbox.user}"
+    if isinstance(decision, Start):
+        return "start", decision.user
+    return "evict", decision.sandbox.user
 
 
 def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: dict[str, list[float]] | None = None,
@@ -34,13 +26,13 @@ def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: 
     """``waiting``: callers per user, queued in that order; ``idle``: each user's idle sandboxes by ``since``."""
     loop = asyncio.new_event_loop()
     try:
-        queues: dict[str, collections.deque[Waiter]] = {}
+        queues: dict[str, list[Waiter]] = {}
         arrival: dict[Waiter, int] = {}
         for user, count in waiting.items():
             for _ in range(count):
                 waiter = Waiter(user, loop.create_future())
                 arrival[waiter] = len(arrival)
-                queues.setdefault(user, collections.deque()).append(waiter)
+                queues.setdefault(user, []).append(waiter)
         idle_of = {user: [PooledSandbox(user, State.IDLE, since=since) for since in sinces]
                    for user, sinces in (idle or {}).items()}
         held = {user: (held or {}).get(user, 0) for user in queues}
@@ -49,10 +41,16 @@ def serve(waiting: dict[str, int], *, held: dict[str, int] | None = None, idle: 
                                for user in queues},
                         total=total, held_total=sum(held.values()) if held_total is None else held_total,
                         stopping=stopping)
-        seen = Recorded()
-        serve_fairly(queues, idle_of, arrival, counts, max_per_user=max_per_user, max_total=max_total,
-                     ceiling=max_total - reserve, act=Actions(hand=seen.hand, start=seen.start, evict=seen.evict))
-        return seen.decisions
+        given: dict[str, Any] = {"queues": {u: list(q) for u, q in queues.items()},
+                                 "idle_of": {u: list(i) for u, i in idle_of.items()}, "counts": repr(counts)}
+        decisions = serve_fairly(queues, idle_of, arrival, counts,
+                                 Limits(max_per_user=max_per_user, max_total=max_total, ceiling=max_total - reserve))
+        # A pure function of what it is given: it decides, and changes none of it.
+        assert given == {"queues": queues, "idle_of": idle_of, "counts": repr(counts)}
+        for decision in decisions:  # an eviction is of another user's idle sandbox, for a waiting user
+            assert not isinstance(decision, Evict) or (decision.sandbox.user != decision.user
+                                                       and decision.user in queues)
+        return [said(decision) for decision in decisions]
     finally:
         loop.close()
 
