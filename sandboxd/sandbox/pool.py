@@ -1,33 +1,23 @@
 """Warm sandboxes per user, modelled on httpcore's connection pool.
 
-The pool's state is plain collections: which sandboxes exist (``_sandboxes``; the same by
-user in ``_of_user``), what each is doing (its ``State``) and who waits for one
-(``_waiters``). The events only record what happened, on the sandbox it happened to
-(``PooledSandbox``'s facts: its call ended, its start finished or failed, the backend removed
-it) or in ``_waiters`` (a caller came or left), and ask for a plan. ``_plan`` is the one
-decision: a function of that state that returns what to do (a ``Plan``: what becomes idle,
-what to forget, destroy and start, which caller gets which sandbox), written as named steps
-with its cases numbered in its docstring. ``_commit`` applies it to the state, the one place
-the state changes; then ``_act`` does the I/O (the callers' futures, the backend's starts and
-destroys, slow and fallible). ``close`` ends it all at once.
+The state is plain collections: the sandboxes (``_sandboxes``; by user in ``_of_user``), each
+with its ``State``, and the callers waiting (``_waiters``). Events only record what happened
+(on the ``PooledSandbox``: its call ended, its start finished or failed, the backend removed it;
+or in ``_waiters``) and ask for a plan. ``_plan`` is the one decision: a function of the state
+that returns a ``Plan`` (what becomes idle, is forgotten, destroyed, started; which caller gets
+which sandbox), in named steps whose cases its docstring numbers. ``_commit`` applies it, the
+one place the state changes; then ``_act`` does the I/O. ``close`` ends it all at once.
 
-A plan looks at every sandbox and every active user when anyone else waits, when room frees
-up, and every second (``maintain``). When nobody else waits and only one user's sandboxes
-changed (a call of theirs arrives or ends, they list their tools, a start of theirs ends), it
-looks at that user's sandboxes alone: the same steps and rules, a few µs at any pool size,
-where a walk of everything costs ~1 ms at 500 users on every call's path. What such a plan
-cannot do for an arriving caller (evict another user's sandbox) a plan of everything does. A
-caller that is cancelled while it waits never leaks a slot: ``acquire`` gives back whatever
-it was handed.
+A plan looks at everything when anyone else waits, when room frees up, and every second
+(``maintain``). Otherwise, after an event on one user's sandboxes, it looks at theirs alone:
+the same steps, a few µs at any pool size, where a walk of everything costs ~1 ms at 500
+users. What that cannot do for an arriving caller (evict another user's sandbox), a plan of
+everything does. A caller cancelled while it waits never leaks a slot (``_leave``).
 
-Users share the pool max-min fairly, with the last ``pool.reserve`` slots kept for users'
-first calls: sharing.py decides whose turn it is and what serves it, and returns those
-decisions for the plan. The records (``PooledSandbox``, ``Waiter``, ``Plan``) are pooled.py's.
-
-A sandbox being destroyed stays in ``_sandboxes`` (STOPPING) until the backend has
-removed it, so the limits bound the containers that exist, not just the usable
-ones: a tool that times out again and again cannot pile up containers still
-burning CPU while the engine works through their removals.
+Users share the pool max-min fairly, the last ``pool.reserve`` slots kept for users' first
+calls: sharing.py returns whose turn it is and what serves it. A sandbox being destroyed stays
+in ``_sandboxes`` (STOPPING) until the backend has removed it, so the limits bound the
+containers that exist: a tool that times out again and again cannot pile up containers.
 """
 
 from __future__ import annotations
@@ -41,7 +31,8 @@ from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, Shutt
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.pooled import BUSY, HELD, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import Counts, Hand, Limits, Start, holdings, serve_fairly
+from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Start, bump, holdings, refusal,
+                                     serve_fairly)
 
 __all__ = ["Pool", "PooledSandbox", "State"]
 
@@ -49,8 +40,6 @@ log = get_logger("sandboxd.pool")
 
 # After a failed start, warm-keeping (not callers) waits this long before trying again.
 START_BACKOFF_S = 1.0
-# Why a caller's wait for a sandbox ran out (sandboxd_pool_refusals_total{reason}).
-REFUSAL_REASONS = ("user_limit", "reserve", "pool_full")
 
 
 class Pool:
@@ -120,16 +109,12 @@ class Pool:
 
     def warm(self, user: str) -> None:
         """``user`` is about to call (a session just listed their tools): start their min_idle now.
-
-        The user counts as active from here, as after a call, so the idle TTL applies; nothing
-        is evicted for it and nobody waits for it.
-        """
+        They count as active from here (the idle TTL applies); nothing is evicted for it."""
         if self._closing or self.config.min_idle == 0:
             return
         if user not in self._last_call and len(self._sandboxes) >= self._ceiling():
-            # A full pool warms nobody new, and keeps no trace of them: listing costs no
-            # sandbox, so a client could name endless made-up users, each one more entry
-            # that every _plan walks.
+            # A full pool warms nobody new, and keeps no trace of them: listing costs no sandbox, so a
+            # client could name endless made-up users, each one more entry that every _plan walks.
             return
         self._last_call[user] = self._clock()
         self._replan(user)
@@ -267,7 +252,7 @@ class Pool:
             if self._gone(pooled, state, plan):  # 2
                 counts.total -= 1
                 continue
-            _bump(counts.owned, owner)
+            bump(counts.owned, owner)
             if state is IDLE:
                 kept = idle_of.setdefault(owner, [])
                 if self._retired(pooled, since, len(kept), plan.now):  # 3
@@ -278,10 +263,10 @@ class Pool:
             elif state is STOPPING:
                 counts.stopping += 1
             else:
-                _bump(counts.held, owner)
+                bump(counts.held, owner)
                 counts.held_total += 1
                 if state is STARTING:
-                    _bump(counts.starting, owner)
+                    bump(counts.starting, owner)
         return counts, idle_of
 
     @staticmethod
@@ -345,7 +330,7 @@ class Pool:
                 idle_of[decision.sandbox.user].remove(decision.sandbox)
                 queues[decision.waiter.user].remove(decision.waiter)
             elif isinstance(decision, Start):
-                self._plan_start(decision.user, counts, plan)
+                plan.start.append(counts.started(decision.user))
             else:
                 plan.destroy.append(decision.sandbox)
                 idle_of[decision.sandbox.user].remove(decision.sandbox)
@@ -361,7 +346,7 @@ class Pool:
                 continue
             if pooled.state is STOPPING and not pooled.removed:
                 counts.stopping += 1
-            elif _still_held(pooled):
+            elif pooled.held_now:
                 counts.held_total += 1
 
     def _keep_warm(self, user: str | None, queues: dict[str, list[Waiter]], idle_of: dict[str, list[PooledSandbox]],
@@ -376,7 +361,7 @@ class Pool:
             for _ in range(missing):
                 if counts.owned.get(active, 0) >= cfg.max_per_user or counts.total >= self._ceiling():
                     break
-                self._plan_start(active, counts, plan)
+                plan.start.append(counts.started(active))
 
     def _wants_spare(self, user: str, idle_of: dict[str, list[PooledSandbox]], now: float) -> bool:
         """Case 7's user: active within the TTL, short of min_idle, past any backoff."""
@@ -384,13 +369,6 @@ class Pool:
         # idle_of holds what is left idle after case 6: a user with enough needs no count (the common case).
         return (len(idle_of.get(user, ())) < cfg.min_idle and now - self._last_call.get(user, 0.0) <= cfg.idle_ttl_s
                 and now >= self._backoff_until.get(user, 0.0))
-
-    @staticmethod
-    def _plan_start(user: str, counts: Counts, plan: Plan) -> None:
-        plan.start.append(user)
-        _bump(counts.owned, user)
-        _bump(counts.starting, user)
-        counts.total += 1
 
     # -- applying a plan: the state, then the I/O ------------------------------
 
@@ -439,18 +417,9 @@ class Pool:
             self._spawn(self._destroy(pooled))
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
-        """Why ``user``'s wait ran out, counted by reason, in words that say what to do."""
-        cfg = self.config
-        mine, running = len(self._of_user.get(user, ())), self._count(user, *HELD)
-        if mine >= cfg.max_per_user:
-            reason, why = "user_limit", (f"{user} already holds {mine} sandboxes, the most one user may "
-                                         f"(pool.max_per_user: {cfg.max_per_user}); make fewer calls at once")
-        elif running and self._held() >= self._ceiling():
-            reason, why = "reserve", (f"{user} already runs {running} calls, and the last {cfg.reserved} of the "
-                                      f"pool's {cfg.max_total} sandboxes are kept for users' first calls "
-                                      "(pool.reserve)")
-        else:
-            reason, why = "pool_full", f"all {cfg.max_total} sandboxes are in use by other users (pool.max_total)"
+        """Why ``user``'s wait ran out (sharing.refusal), counted by reason."""
+        reason, why = refusal(user, len(self._of_user.get(user, ())), self._count(user, *HELD), self._held(),
+                              self.config)
         self.refusals[reason] += 1
         return Overloaded(f"no sandbox for {user} became free within {timeout:g} s: {why}; retry later.",
                           data={"pool": repr(self), "reason": reason})
@@ -527,13 +496,3 @@ class Pool:
             if not self._closing:
                 self._apply(self._plan())
 
-
-def _bump(counts: dict[str, int], user: str) -> None:
-    counts[user] = counts.get(user, 0) + 1
-
-
-def _still_held(pooled: PooledSandbox) -> bool:
-    """Busy or starting, once its recorded events are settled (case 1 and 2 of ``Pool._plan``)."""
-    if pooled.state is BUSY:
-        return not pooled.call_ended
-    return pooled.state is STARTING and pooled.sandbox is None and pooled.start_error is None

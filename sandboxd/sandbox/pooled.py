@@ -43,6 +43,13 @@ class PooledSandbox:
     removed: bool = False  # the backend has removed it (or gave up and listed it for removal)
 
     @property
+    def held_now(self) -> bool:
+        """Busy or starting once its recorded events are settled (cases 1 and 2 of ``Pool._plan``)."""
+        if self.state is BUSY:
+            return not self.call_ended
+        return self.state is STARTING and self.sandbox is None and self.start_error is None
+
+    @property
     def id(self) -> str:
         return self.sandbox.id if self.sandbox is not None else "(starting)"
 

@@ -61,6 +61,17 @@ class Counts:
     held_total: int  # sandboxes held for calls, in all (for the ceiling)
     stopping: int  # sandboxes being destroyed: each frees a slot once the engine has removed it
 
+    def started(self, user: str) -> str:
+        """Count a start decided for ``user``; returns ``user``."""
+        bump(self.owned, user)
+        bump(self.starting, user)
+        self.total += 1
+        return user
+
+
+def bump(counts: dict[str, int], user: str) -> None:
+    counts[user] = counts.get(user, 0) + 1
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -117,9 +128,7 @@ class _Turns:
         """Room for one more of ``user``'s sandboxes: a start, room on its way, or an eviction."""
         counts = self.counts
         if counts.total < self.limits.max_total:
-            counts.owned[user] = counts.owned.get(user, 0) + 1
-            counts.total += 1
-            return Start(user)
+            return Start(counts.started(user))
         self.claimed[user] += 1
         if counts.stopping:
             counts.stopping -= 1
@@ -152,7 +161,7 @@ def serve_fairly(queues: Mapping[str, Sequence[Waiter]], idle_of: Mapping[str, S
             continue
         if made is not True:
             decisions.append(made)
-        turns.counts.held[user] = turns.counts.held.get(user, 0) + 1
+        bump(turns.counts.held, user)
         turns.counts.held_total += 1
         if turns.another(user):
             heapq.heappush(heap, turns.key(user))
@@ -177,6 +186,22 @@ def _victim(user: str, held: Mapping[str, int], queues: Mapping[str, Sequence[Wa
         if best is None or key < best[0]:
             best = key, min(idle, key=lambda p: p.since)
     return best[1] if best is not None else None
+
+
+# Why a caller's wait for a sandbox ran out (sandboxd_pool_refusals_total{reason}).
+REFUSAL_REASONS = ("user_limit", "reserve", "pool_full")
+
+
+def refusal(user: str, owned: int, running: int, held_total: int, config: PoolConfig) -> tuple[str, str]:
+    """Which rule kept ``user`` waiting (one of REFUSAL_REASONS), and in words that say what to do.
+    ``owned``: their sandboxes; ``running``: of those, busy or starting; ``held_total``: in all."""
+    if owned >= config.max_per_user:
+        return "user_limit", (f"{user} already holds {owned} sandboxes, the most one user may "
+                              f"(pool.max_per_user: {config.max_per_user}); make fewer calls at once")
+    if running and held_total >= config.max_total - config.reserved:
+        return "reserve", (f"{user} already runs {running} calls, and the last {config.reserved} of the pool's "
+                           f"{config.max_total} sandboxes are kept for users' first calls (pool.reserve)")
+    return "pool_full", f"all {config.max_total} sandboxes are in use by other users (pool.max_total)"
 
 
 def holdings(sandboxes: Iterable[PooledSandbox], waiters: Iterable[Waiter], config: PoolConfig) -> dict[str, Any]:
