@@ -22,6 +22,7 @@ The tests run in file order against one installed machine: the first enables san
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -41,6 +42,7 @@ import pytest
 from sandboxd.config import RUNNER_IMAGE, load_config
 from sandboxd.server.server import instance_id
 from tests.e2e.conftest import REPO
+from tests.loopfs import loop_devices_usable, loop_filesystem
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker]
 
@@ -245,11 +247,15 @@ def machine(docker_api: Any) -> Iterator[Machine]:
     name = f"sandboxd-systemd-e2e-{uuid.uuid4().hex[:8]}"
     machine = Machine(name)
     lock = hold_the_host()
+    quota_fs = contextlib.ExitStack()
     try:
         free_host_dirs(docker_api)
         MARKER.write_text(name)
         for path in HOST_DIRS:
             path.mkdir(parents=True)
+        # The data path on btrfs with quota, as docs/install.md sets it up: the helper's hard quota.
+        if loop_devices_usable("btrfs") is None:
+            quota_fs.enter_context(loop_filesystem(DATA_PATH, "btrfs", 1024))
         run(["docker", "run", "-d", "--name", name, "--network", "none",
              # systemd as PID 1 on this engine (docs: ../shared/notes/docker-here.md)
              "--cap-add", "SYS_ADMIN", "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
@@ -273,6 +279,7 @@ def machine(docker_api: Any) -> Iterator[Machine]:
         machine.sh("cd /src && PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels make install", timeout=600)
         print(f"make install took {time.monotonic() - started:.0f} s")
         machine.sh(f"useradd --create-home --groups sandboxd {MEMBER} && useradd --create-home {OUTSIDER}")
+        machine.sh("systemctl enable --now sandboxd-quota.socket")  # docs/install.md, "Disk quotas"
         yield machine
     finally:
         if MARKER.exists() and MARKER.read_text() == name:  # HOST_DIRS are this run's: undo all of it
@@ -282,9 +289,11 @@ def machine(docker_api: Any) -> Iterator[Machine]:
             run(["docker", "exec", name, "systemctl", "stop", "sandboxd.service", "sandboxd.socket"], check=False)
             run(["docker", "rm", "-f", name], check=False)
             remove_instance_containers(docker_api)
+            quota_fs.close()  # unmounted before its mount point goes
             for path in HOST_DIRS:
                 shutil.rmtree(path, ignore_errors=True)
             MARKER.unlink()
+        quota_fs.close()
         os.close(lock)
 
 
@@ -315,6 +324,17 @@ def test_the_first_connection_starts_the_service_which_is_active_only_once_ready
     assert f'Status: "serving on {SOCKET}: ' in shown, shown
 
 
+def test_the_unit_gives_the_daemon_the_descriptors_its_budget_needs(machine: Machine) -> None:
+    """LimitNOFILE= sets both limits: under SystemCallFilter=~@resources the daemon cannot raise its own,
+    and systemd's default soft limit (1024) cannot hold the default configuration (service/fds.py)."""
+    assert machine.rpc(MEMBER, PING) == [PONG]
+    assert machine.show("sandboxd.service", "LimitNOFILE", "LimitNOFILESoft") == {
+        "LimitNOFILE": "65536", "LimitNOFILESoft": "65536"}
+    budget = machine.events("fd_budget")[-1]
+    assert budget["soft_at_start"] == budget["hard"] == budget["limit"] == 65536, budget
+    assert budget["clients"] > 60_000 and budget["per_client"] > 15_000, budget
+
+
 def test_a_member_of_the_group_runs_a_tool_in_a_real_sandbox_and_an_outsider_is_refused(
         machine: Machine, docker_api: Any) -> None:
     answer = machine.rpc(MEMBER, call("hello", {"name": "systemd"}))[0]
@@ -332,6 +352,32 @@ def test_a_member_of_the_group_runs_a_tool_in_a_real_sandbox_and_an_outsider_is_
     # The socket is 0660, group sandboxd (sandboxd.socket): anyone else cannot even connect.
     assert machine.rpc(OUTSIDER, PING)[0]["connect_error"] == "EACCES"
     assert machine.sh(f"stat -c '%a %G' {SOCKET}").stdout.split() == ["660", "sandboxd"]
+
+
+def test_the_unprivileged_daemon_gets_its_users_folders_under_the_quota_from_the_helper(machine: Machine) -> None:
+    """After the calls above: alice's folders were made by sandboxd-quota@.service, as btrfs subvolumes in a
+    qgroup limited to storage.quota_bytes, and handed to the sandboxd user; the daemon itself never was root."""
+    need(loop_devices_usable("btrfs") is None, f"no btrfs here: {loop_devices_usable('btrfs')}")
+    enforcement = {e["area"]: (e["enforcement"], e["how"]) for e in machine.events("storage_enforcement")}
+    assert set(enforcement) == {"data", "email"}, enforcement
+    for mode, how in enforcement.values():
+        assert mode == "hard" and "sandboxd-quota helper" in how, enforcement
+    daemon_uid = int(machine.sh("id -u sandboxd").stdout)
+    assert machine.show("sandboxd.service", "User")["User"] == "sandboxd"
+    limits = {}
+    for line in run(["btrfs", "qgroup", "show", "-re", "--raw", str(DATA_PATH)]).stdout.splitlines():
+        fields = line.split()
+        if fields and fields[0].startswith("1/"):
+            limits[fields[0]] = fields[3]
+    for folder in (DATA_PATH / A, DATA_PATH / "email" / A):
+        info = os.stat(folder)
+        assert info.st_ino == 256 and info.st_uid == daemon_uid, folder  # a subvolume, the daemon's
+    group = "1/" + run(["btrfs", "inspect-internal", "rootid", str(DATA_PATH / A)]).stdout.strip()
+    assert limits.get(group) == str(load_config(environ={}).storage.quota_bytes), limits
+    row = machine.status()["storage"]["users"][A]
+    assert row["bytesEnforcedByKernel"] is True
+    helper = machine.sh("journalctl --no-pager -o cat -u 'sandboxd-quota@*'").stdout
+    assert "disk quota helper" in helper, helper  # systemd started it for the requests (Accept=yes)
 
 
 def test_reload_applies_a_pool_change_live(machine: Machine) -> None:
