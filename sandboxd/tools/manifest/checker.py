@@ -1,186 +1,45 @@
-"""TOOL.md parsing: YAML frontmatter between ``---`` lines, then a Markdown body.
-
-Nothing here raises for bad content. Every finding becomes a ``Problem`` that
-names the file, the line, the field and the fix, and all of them are reported
-at once, so an author fixes a manifest in one pass. A manifest with any error
-is not returned: half-understood tools are never offered to an agent.
-
-The YAML is read with the YAML 1.2 core schema, as the JavaScript loaders of
-pi read it (yaml12.py). A user's TOOL.md is written by that user's sandboxes, so
-it is hostile input the daemon parses: the loader refuses anchors and aliases and
-bounds depth, nodes and time; the frontmatter is bounded in bytes here.
-"""
+"""Checking a TOOL.md's content: every problem found at once, each naming the file, the line,
+the field and the fix; a manifest with any error is not returned."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import json
 import math
-import os
 import re
-import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, cast
 
 import yaml
 
+from sandboxd.tools.manifest.model import (
+    INPUT_KEYS,
+    INPUT_TYPES,
+    LANGUAGES,
+    MAX_FRONTMATTER_BYTES,
+    MAX_NAME_LENGTH,
+    NO_DEFAULT,
+    TOP_LEVEL_KEYS,
+    Input,
+    InputType,
+    Manifest,
+)
+from sandboxd.tools.manifest.source import FENCE_RE, normalise, read_manifest_file, split_frontmatter
 from sandboxd.tools.problem import Problem, Severity
 from sandboxd.tools.yaml12 import ManifestLoader, ParseTimeout, Refused
 
-MANIFEST_FILE = "TOOL.md"
-MAX_MANIFEST_BYTES = 1 << 20  # a user's TOOL.md is read by the daemon: bound the work it can cause
-# The frontmatter is metadata: this and yaml12's MAX_YAML_DEPTH and MAX_YAML_NODES bound a
-# parse to milliseconds by construction; PARSE_TIME_LIMIT_S is the second line.
-MAX_FRONTMATTER_BYTES = 64 << 10
-MAX_NAME_LENGTH = 64  # model APIs refuse longer tool names
-InputType = Literal["string", "number", "boolean", "enum"]
-INPUT_TYPES: tuple[InputType, ...] = get_args(InputType)
-LANGUAGES = ("typescript", "bash", "python")
-TOP_LEVEL_KEYS = ("name", "label", "description", "version", "language", "inputs")
-INPUT_KEYS = ("type", "description", "optional", "sensitive", "values", "default")
-
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: "$" would let a trailing newline through
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_FENCE_RE = re.compile(r"^---[ \t]*$")
 _TYPE_HINTS = {"integer": "number", "int": "number", "float": "number", "bool": "boolean", "str": "string"}
-
-class _NoDefault(enum.Enum):
-    NO_DEFAULT = "NO_DEFAULT"
-
-    def __repr__(self) -> str:
-        return "NO_DEFAULT"
-
-
-NO_DEFAULT = _NoDefault.NO_DEFAULT
-"""Input.default when the manifest gives none (None is a value, not an absence)."""
-
-
-@dataclass(frozen=True)
-class Input:
-    name: str
-    type: InputType
-    description: str
-    optional: bool = False
-    sensitive: bool = False
-    values: tuple[str, ...] | None = None  # the allowed values of an enum
-    default: Any = NO_DEFAULT
-
-    @property
-    def has_default(self) -> bool:
-        return self.default is not NO_DEFAULT
-
-
-@dataclass(frozen=True)
-class Manifest:
-    name: str
-    label: str
-    description: str
-    version: int
-    language: str
-    inputs: tuple[Input, ...]
-    body: str  # the Markdown documentation, without the frontmatter
-    path: Path
-
-
-# --- reading -----------------------------------------------------------------------------------
 
 
 def parse_manifest(path: Path, *, within: Path | None = None) -> tuple[Manifest | None, list[Problem]]:
     """Parse the TOOL.md at ``path``. With ``within``, a file that resolves outside it is refused."""
-    text, problem = _read_manifest_file(Path(path), within)
+    text, problem = read_manifest_file(Path(path), within)
     if problem is not None:
         return None, [problem]
     return parse_manifest_text(text, Path(path))
-
-
-def read_version(path: Path) -> int:
-    """The frontmatter's version, 0 when it is missing or invalid (the rule sync follows)."""
-    text, problem = _read_manifest_file(Path(path), None)
-    if problem is not None:
-        return 0
-    frontmatter = _split_frontmatter(_normalise(text))
-    if frontmatter is None or not frontmatter.closed or len(frontmatter.yaml) > MAX_FRONTMATTER_BYTES:
-        return 0
-    try:
-        data = yaml.load(frontmatter.yaml, Loader=ManifestLoader)  # noqa: S506 - a safe loader
-    except (yaml.YAMLError, ValueError, OverflowError, RecursionError):
-        return 0
-    version = data.get("version") if isinstance(data, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else 0
-
-
-def _read_manifest_file(path: Path, within: Path | None) -> tuple[str, Problem | None]:
-    def problem(message: str, fix: str, line: int | None = None) -> tuple[str, Problem]:
-        return "", Problem(path, message, fix, line=line)
-
-    try:
-        # O_PATH resolves the name without opening what it names: a FIFO, a device
-        # (opening some has effects) or a file out of the root is looked at, never opened.
-        handle = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return problem(f"{path.name} does not exist", "create it with name, description and version frontmatter")
-    except OSError as exc:
-        return problem(f"cannot open {path.name}: {exc.strerror}", "make the file readable by the daemon")
-    try:
-        info = os.fstat(handle)
-        if not stat.S_ISREG(info.st_mode):
-            return problem(f"{path.name} is not a regular file", "replace it with a plain text file")
-        if within is not None:
-            # Check the file actually opened, so a symlink swapped after any earlier check cannot slip through.
-            # The root's own last component is not followed: discovery passes it already resolved.
-            within = Path(within)
-            real, root = _opened_path(handle, path), Path(os.path.realpath(within.parent)) / within.name
-            if not real.is_relative_to(root):
-                return problem(f"{path.name} resolves to {real}, outside the tools directory {root}",
-                               f"put a real {path.name} inside {root} instead of a symlink out of it")
-        if info.st_size > MAX_MANIFEST_BYTES:
-            return problem(f"{path.name} is {info.st_size} bytes, over the limit of {MAX_MANIFEST_BYTES}",
-                           "move long material into other files and keep TOOL.md to metadata and usage")
-        try:
-            # The very file checked above (the handle, not the name again); O_NONBLOCK as a last guard.
-            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            return problem(f"cannot open {path.name}: {exc.strerror}", "make the file readable by the daemon")
-    finally:
-        os.close(handle)
-    with open(fd, "rb", closefd=True) as file:
-        data = file.read(MAX_MANIFEST_BYTES + 1)
-    try:
-        return data.decode("utf-8"), None
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        return problem(f"{path.name} is not UTF-8 text (byte {exc.start})", "save the file as UTF-8", line)
-
-
-def _opened_path(fd: int, path: Path) -> Path:
-    try:
-        return Path(os.readlink(f"/proc/self/fd/{fd}"))
-    except OSError:  # no /proc: fall back to resolving the name
-        return path.resolve()
-
-
-@dataclass(frozen=True)
-class _Frontmatter:
-    yaml: str
-    body: str
-    closed: bool
-
-
-def _normalise(text: str) -> str:
-    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _split_frontmatter(text: str) -> _Frontmatter | None:
-    lines = text.split("\n")
-    if not _FENCE_RE.match(lines[0]):
-        return None
-    for index in range(1, len(lines)):
-        if _FENCE_RE.match(lines[index]):
-            return _Frontmatter("\n".join(lines[1:index]), "\n".join(lines[index + 1:]), closed=True)
-    return _Frontmatter("\n".join(lines[1:]), "", closed=False)
 
 
 def _key_lines(node: yaml.Node | None, first_line: int) -> dict[str, int]:
@@ -199,9 +58,6 @@ def _key_lines(node: yaml.Node | None, first_line: int) -> dict[str, int]:
     if node is not None:
         walk(node, "", 1)
     return lines
-
-
-# --- checking ----------------------------------------------------------------------------------
 
 
 def parse_manifest_text(text: str, path: Path) -> tuple[Manifest | None, list[Problem]]:
@@ -248,10 +104,10 @@ class _ManifestChecker:
         return manifest, sorted(self.problems, key=lambda problem: problem.line or 0)
 
     def _build(self, text: str) -> Manifest | None:
-        text = _normalise(text)
-        frontmatter = _split_frontmatter(text)
+        text = normalise(text)
+        frontmatter = split_frontmatter(text)
         if frontmatter is None:
-            if any(_FENCE_RE.match(line) for line in text.split("\n")):
+            if any(FENCE_RE.match(line) for line in text.split("\n")):
                 fix = "remove what comes before the first '---' line: the frontmatter must start on line 1"
             else:
                 fix = ("begin the file with a line '---', the keys (name, description, version, ...), "
@@ -536,25 +392,14 @@ class _ManifestChecker:
         if kind in ("", "enum") and values is None:
             return NO_DEFAULT  # the type is already reported; a second error would only repeat it
         expected = "a number" if kind == "number" else "true or false" if kind == "boolean" else "text"
-        if kind == "number":
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        elif kind == "boolean":
-            ok = isinstance(value, bool)
-        else:
-            ok = isinstance(value, str)
+        ok = _is_of_kind(value, kind)
         if not ok and assumed:
             # `type: integer` with `default: 5`: the type's warning already names the fix (type: number);
             # "quote the default" would be a second, wrong one. Say the default is dropped in that warning.
             self._amend(f"{field}.type", f", so its default {_describe(value)} is ignored")
             return NO_DEFAULT
         if not ok:
-            if isinstance(value, str) and kind in ("number", "boolean") and _reads_as(value, kind):
-                fix = f"write it without quotes: 'default: {value.strip()}'"
-            elif kind in ("string", "enum") and not isinstance(value, (list, dict)):
-                fix = f"quote it: 'default: \"{_plain(value)}\"'"
-            else:
-                fix = f"give {expected}"
-            self.error(where, f"default must be {expected}, got {_describe(value)}", fix)
+            self.error(where, f"default must be {expected}, got {_describe(value)}", _default_fix(value, kind, expected))
             return NO_DEFAULT
         if kind == "enum" and values is not None and value not in values:
             self.error(where, f"default {value!r} is not one of the values", f"use one of: {', '.join(values)}")
@@ -569,6 +414,24 @@ class _ManifestChecker:
         else:
             fix = f"remove it (known keys: {', '.join(INPUT_KEYS)})"
         self.warning(f"{field}.{key}", f"unknown key {str(key)!r} is ignored", fix)
+
+
+def _is_of_kind(value: Any, kind: str) -> bool:
+    """Whether a default ``value`` (as YAML read it) is of the input type ``kind``."""
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _default_fix(value: Any, kind: str, expected: str) -> str:
+    """The fix for a default of the wrong type: unquote it, quote it, or say what it must be."""
+    if isinstance(value, str) and kind in ("number", "boolean") and _reads_as(value, kind):
+        return f"write it without quotes: 'default: {value.strip()}'"
+    if kind in ("string", "enum") and not isinstance(value, (list, dict)):
+        return f"quote it: 'default: \"{_plain(value)}\"'"
+    return f"give {expected}"
 
 
 def _reads_as(text: str, kind: str) -> bool:
