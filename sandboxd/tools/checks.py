@@ -15,6 +15,7 @@ findings apart.
 
 from __future__ import annotations
 
+import enum
 import filecmp
 import functools
 import json
@@ -166,57 +167,61 @@ def _string_value(node: Node) -> str:
 
 
 def _export_statement(statement: Node, out: _Exports) -> None:
-    is_default = any(c.type == "default" for c in statement.children)
+    """One ``export ...`` statement: what it says of execute, by its form."""
     declaration = statement.child_by_field_name("declaration")
-    value = statement.child_by_field_name("value")
-    if is_default:
-        _default_export(statement, declaration or value, out)
-        return
-    if declaration is not None:
-        kind = declaration.type
-        if kind == "ambient_declaration":  # export declare function execute(): ...
-            inner = declaration.named_children[0] if declaration.named_children else None
-            if inner is not None and _text(inner.child_by_field_name("name")) == "execute":
-                out.execute_at = statement
-        elif kind in ("function_declaration", "generator_function_declaration"):
-            if _text(declaration.child_by_field_name("name")) == "execute":
-                out.execute_at, out.execute_value = statement, declaration
-        elif kind in ("lexical_declaration", "variable_declaration"):
-            for declarator in declaration.named_children:
-                if declarator.type == "variable_declarator" and _text(declarator.child_by_field_name("name")) == "execute":
-                    out.execute_at, out.execute_value = statement, _unwrap(declarator.child_by_field_name("value"))
-        elif kind in _CLASSES:
-            class_name = _text(declaration.child_by_field_name("name")) or "a class"
-            out.problems.append((statement, "class-pattern",
-                                 f"exports class {class_name} but no execute function: class-based tools are not "
-                                 "supported, the loader calls a function named execute",
-                                 f"export a function named execute that does the work (it may use the class): "
-                                 f"{EXECUTE_SIGNATURE}"))
-        return
     source = statement.child_by_field_name("source")
     clause = next((c for c in statement.named_children if c.type == "export_clause"), None)
-    if clause is not None:
-        if any(c.type == "type" for c in statement.children):
-            return  # export type { ... }: types only
-        for specifier in clause.named_children:
-            if specifier.type != "export_specifier" or any(c.type == "type" for c in specifier.children):
-                continue
-            local = specifier.child_by_field_name("name")
-            exported = specifier.child_by_field_name("alias") or local
-            if _name_of(exported) == "execute":
-                out.execute_at = statement
-                out.execute_value = None if source is not None else local
-                if source is not None:
-                    out.execute_from = (_string_value(source), _name_of(local))
-        return
-    if source is not None:
+    if any(c.type == "default" for c in statement.children):
+        _default_export(statement, declaration or statement.child_by_field_name("value"), out)
+    elif declaration is not None:
+        _export_declaration(statement, declaration, out)
+    elif clause is not None:
+        if not any(c.type == "type" for c in statement.children):  # export type { ... }: types only
+            _export_clause(statement, clause, source, out)
+    elif source is not None:
         # export * from './impl' may carry execute; export * as ns from does not
         if not any(c.type == "namespace_export" for c in statement.named_children):
             out.unknown = True
             out.star_from.append(_string_value(source))
-        return
-    if any(c.type == "=" for c in statement.children) and statement.named_children:  # TypeScript's "export = value"
+    elif any(c.type == "=" for c in statement.children) and statement.named_children:  # TypeScript's "export = value"
         _module_exports_value(statement, statement.named_children[-1], out, "export =")
+
+
+def _export_declaration(statement: Node, declaration: Node, out: _Exports) -> None:
+    """``export function execute``, ``export const execute = ...``, ``export declare ...``, ``export class``."""
+    kind = declaration.type
+    if kind == "ambient_declaration":  # export declare function execute(): ...
+        inner = declaration.named_children[0] if declaration.named_children else None
+        if inner is not None and _text(inner.child_by_field_name("name")) == "execute":
+            out.execute_at = statement
+    elif kind in ("function_declaration", "generator_function_declaration"):
+        if _text(declaration.child_by_field_name("name")) == "execute":
+            out.execute_at, out.execute_value = statement, declaration
+    elif kind in ("lexical_declaration", "variable_declaration"):
+        for declarator in declaration.named_children:
+            if declarator.type == "variable_declarator" and _text(declarator.child_by_field_name("name")) == "execute":
+                out.execute_at, out.execute_value = statement, _unwrap(declarator.child_by_field_name("value"))
+    elif kind in _CLASSES:
+        class_name = _text(declaration.child_by_field_name("name")) or "a class"
+        out.problems.append((statement, "class-pattern",
+                             f"exports class {class_name} but no execute function: class-based tools are not "
+                             "supported, the loader calls a function named execute",
+                             f"export a function named execute that does the work (it may use the class): "
+                             f"{EXECUTE_SIGNATURE}"))
+
+
+def _export_clause(statement: Node, clause: Node, source: Node | None, out: _Exports) -> None:
+    """``export { run as execute }``, or ``... from './impl'``."""
+    for specifier in clause.named_children:
+        if specifier.type != "export_specifier" or any(c.type == "type" for c in specifier.children):
+            continue
+        local = specifier.child_by_field_name("name")
+        if _name_of(specifier.child_by_field_name("alias") or local) != "execute":
+            continue
+        out.execute_at = statement
+        out.execute_value = None if source is not None else local
+        if source is not None:
+            out.execute_from = (_string_value(source), _name_of(local))
 
 
 def _name_of(node: Node | None) -> str:
@@ -335,6 +340,10 @@ def _imported_from(root: Node, local: str) -> tuple[str, str] | None:
     return None
 
 
+class _Missing(enum.Enum):
+    HERE = "not exported by this statement"
+
+
 def _exported_function(root: Node, name: str) -> Node | tuple[str, str] | None:
     """What a module exports as ``name``: its function, ("spec", "name") when it comes from another module,
     or None when this cannot tell."""
@@ -342,26 +351,38 @@ def _exported_function(root: Node, name: str) -> Node | tuple[str, str] | None:
         if statement.type != "export_statement" or any(c.type == "default" for c in statement.children):
             continue
         declaration = statement.child_by_field_name("declaration")
-        if declaration is not None:
-            if declaration.type in _FUNCTIONS and _text(declaration.child_by_field_name("name")) == name:
-                return declaration
-            if declaration.type in ("lexical_declaration", "variable_declaration"):
-                for declarator in declaration.named_children:
-                    if _text(declarator.child_by_field_name("name")) == name:
-                        value = _unwrap(declarator.child_by_field_name("value"))
-                        return value if value is not None and value.type in _FUNCTIONS else None
-            continue
-        clause = next((c for c in statement.named_children if c.type == "export_clause"), None)
-        source = statement.child_by_field_name("source")
-        for specifier in clause.named_children if clause is not None else []:
-            local = specifier.child_by_field_name("name")
-            if _name_of(specifier.child_by_field_name("alias") or local) != name:
-                continue
-            if source is not None:
-                return _string_value(source), _name_of(local)
-            found = _execute_function(root, _Exports(execute_value=local))
-            return found if found is not None else _imported_from(root, _name_of(local))
+        found = (_declared_function(declaration, name) if declaration is not None
+                 else _re_exported_function(root, statement, name))
+        if found is not _Missing.HERE:
+            return found
     return None
+
+
+def _declared_function(declaration: Node, name: str) -> Node | None | _Missing:
+    """``export function name`` or ``export const name = ...``: its function (None: not a function)."""
+    if declaration.type in _FUNCTIONS and _text(declaration.child_by_field_name("name")) == name:
+        return declaration
+    if declaration.type in ("lexical_declaration", "variable_declaration"):
+        for declarator in declaration.named_children:
+            if _text(declarator.child_by_field_name("name")) == name:
+                value = _unwrap(declarator.child_by_field_name("value"))
+                return value if value is not None and value.type in _FUNCTIONS else None
+    return _Missing.HERE
+
+
+def _re_exported_function(root: Node, statement: Node, name: str) -> Node | tuple[str, str] | None | _Missing:
+    """``export { local as name }`` (from this module, an import, or ``from 'spec'``)."""
+    clause = next((c for c in statement.named_children if c.type == "export_clause"), None)
+    source = statement.child_by_field_name("source")
+    for specifier in clause.named_children if clause is not None else []:
+        local = specifier.child_by_field_name("name")
+        if _name_of(specifier.child_by_field_name("alias") or local) != name:
+            continue
+        if source is not None:
+            return _string_value(source), _name_of(local)
+        found = _execute_function(root, _Exports(execute_value=local))
+        return found if found is not None else _imported_from(root, _name_of(local))
+    return _Missing.HERE
 
 
 ModuleReader = Callable[[Path, str], "tuple[Path, str] | None"]
@@ -428,6 +449,21 @@ def read_sibling_module(root: Path, importer: Path, spec: str) -> tuple[Path, st
 # --- the checks ------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Findings:
+    """The problems found so far; ``where`` is the file execute's findings are in: the entry, or the
+    module it re-exports execute from."""
+
+    where: Path
+    problems: list[Problem] = field(default_factory=list)
+
+    def add(self, node: Node | None, check: str, message: str, fix: str, severity: str = "error",
+            line: int | None = None) -> None:
+        line = line if line is not None else _line(node) if node is not None else 1  # None: the whole file
+        self.problems.append(Problem(self.where, message, fix, field=check, line=line,
+                                     severity=severity))  # type: ignore[arg-type]
+
+
 def check_entry_source(text: str, path: Path, read_module: ModuleReader | None = None) -> list[Problem]:
     """Every finding of the Common Mistakes checks in the entry file's source ``text``.
 
@@ -435,36 +471,45 @@ def check_entry_source(text: str, path: Path, read_module: ModuleReader | None =
     the tool (``export { execute } from './impl'``, ``export * from './impl'``) is checked there.
     """
     root = _parse(text, path.name)
-    name = path.name
-    findings: list[Problem] = []
-
-    where = path  # the file execute's findings are in: the entry, or the module it re-exports execute from
-
-    def add(node: Node | None, check: str, message: str, fix: str, severity: str = "error",
-            line: int | None = None) -> None:
-        line = line if line is not None else _line(node) if node is not None else 1  # None: the whole file
-        findings.append(Problem(where, message, fix, field=check, line=line, severity=severity))  # type: ignore[arg-type]
-
+    found = _Findings(path)
     exports = _find_exports(root)
-    exported = exports.execute_at is not None
-    if not exported and not exports.unknown:
+    _check_exports(root, exports, path.name, found.add)
+    _check_entry_points(root, exports, found.add)
+    _check_bun(root, found.add)
+    execute = _execute_function(root, exports)
+    if execute is None and read_module is not None:
+        followed = _follow_execute(path, root, exports, read_module)
+        if followed is not None:
+            found.where, execute = followed
+    if execute is not None:
+        _check_execute(execute, found.add)
+    return sorted(found.problems, key=lambda p: (p.path != path, p.line or 0))
+
+
+def _check_exports(root: Node, exports: _Exports, name: str, add: Callable[..., None]) -> None:
+    """execute-export, class-pattern, module-exports: how (and whether) execute is exported."""
+    if exports.execute_at is None and not exports.unknown:
         for node, check, message, fix in exports.problems:
             add(node, check, message, fix)
-        if not exports.problems:
-            local = _local_definition(root, "execute")
-            if local is not None:
-                add(local, "execute-export", f"execute is defined but not exported, so the loader cannot find it in {name}",
-                    "put 'export' in front of it: 'export async function execute(...)'")
-            else:
-                add(None, "execute-export", f"{name} does not export a function named execute, "
-                    "which is the only thing the loader calls", EXPORT_FIX)
+        if exports.problems:
+            return
+        local = _local_definition(root, "execute")
+        if local is not None:
+            add(local, "execute-export", f"execute is defined but not exported, so the loader cannot find it in {name}",
+                "put 'export' in front of it: 'export async function execute(...)'")
+        else:
+            add(None, "execute-export", f"{name} does not export a function named execute, "
+                "which is the only thing the loader calls", EXPORT_FIX)
     elif exports.commonjs is not None:
         add(exports.commonjs, "module-exports",
             f"{name} exports execute through {exports.commonjs_how}: sandboxd finds it there, but the tool format "
             "(docs/tools.md) asks for a named export, and pi's own loader does not find execute there",
             EXPORT_FIX, "warning")
 
-    entry_point_severity = "warning" if exported or exports.unknown else "error"
+
+def _check_entry_points(root: Node, exports: _Exports, add: Callable[..., None]) -> None:
+    """cli-entry-point: code that runs only as a script; an error when nothing else is exported."""
+    severity = "warning" if exports.execute_at is not None or exports.unknown else "error"
     for node, snippet in _cli_entry_points(root):
         if snippet == "process.argv":
             message = ("reads process.argv at load time, like a command-line script: a tool never gets "
@@ -473,40 +518,39 @@ def check_entry_source(text: str, path: Path, read_module: ModuleReader | None =
             message = f"a CLI entry point ({snippet}): tools are loaded as modules, never run as a script, so this never runs"
         add(node, "cli-entry-point", message,
             "declare the values as inputs in TOOL.md and read them from execute's params; remove the "
-            "command-line code", entry_point_severity)
+            "command-line code", severity)
 
-    bun_guarded = any(n.type == "unary_expression" and _text(n.child_by_field_name("operator")) == "typeof"
-                      and _text(n.child_by_field_name("argument")) == "Bun" for n in _walk(root))
+
+def _check_bun(root: Node, add: Callable[..., None]) -> None:
+    """bun-api: Bun's globals, which Node.js has not (a warning behind a typeof Bun guard)."""
+    guarded = any(n.type == "unary_expression" and _text(n.child_by_field_name("operator")) == "typeof"
+                  and _text(n.child_by_field_name("argument")) == "Bun" for n in _walk(root))
     for node, what in _bun_uses(root):
         add(node, "bun-api",
             f"{what}: tools run in Node.js, not Bun, where this throws ReferenceError or fails to load"
-            + (" (unless the typeof Bun guard avoids it)" if bun_guarded else ""),
+            + (" (unless the typeof Bun guard avoids it)" if guarded else ""),
             "use the Node.js standard library: fs.readFileSync/fs.writeFileSync for Bun.file/Bun.write, "
             "setTimeout for Bun.sleep, child_process.spawn/execFileSync for Bun.spawn",
-            "warning" if bun_guarded else "error")
+            "warning" if guarded else "error")
 
-    execute = _execute_function(root, exports)
-    if execute is None and read_module is not None:
-        followed = _follow_execute(path, root, exports, read_module)
-        if followed is not None:
-            where, execute = followed
-    if execute is not None:
-        for node, snippet in _prints_in(execute):
-            add(node, "console-log",
-                f"execute prints with {snippet}: the agent never sees printed output "
-                "(it goes to the sandbox's log)",
-                "return what the agent should read: 'return ok(text)' or { content: [{ type: 'text', text }] }; "
-                "use onUpdate for progress and console.error for debugging logs", "warning")
-        for node in _escaping_throws(execute):
-            add(node, "throw",
-                "a throw in execute outside any try block: the call fails and the agent reads only the error's "
-                "message (from a bug, e.g. 'TypeError: Cannot read properties of undefined')",
-                "return an error result that tells the agent what went wrong and what to do, e.g. "
-                "'return err(\"...\")', or "
-                "wrap execute's body in try/catch and return { content: [...], isError: true } from the catch",
-                "warning")
-        _return_checks(execute, add)
-    return sorted(findings, key=lambda p: (p.path != path, p.line or 0))
+
+def _check_execute(execute: Node, add: Callable[..., None]) -> None:
+    """console-log, throw, no-return, implicit-return: what execute's body does."""
+    for node, snippet in _prints_in(execute):
+        add(node, "console-log",
+            f"execute prints with {snippet}: the agent never sees printed output "
+            "(it goes to the sandbox's log)",
+            "return what the agent should read: 'return ok(text)' or { content: [{ type: 'text', text }] }; "
+            "use onUpdate for progress and console.error for debugging logs", "warning")
+    for node in _escaping_throws(execute):
+        add(node, "throw",
+            "a throw in execute outside any try block: the call fails and the agent reads only the error's "
+            "message (from a bug, e.g. 'TypeError: Cannot read properties of undefined')",
+            "return an error result that tells the agent what went wrong and what to do, e.g. "
+            "'return err(\"...\")', or "
+            "wrap execute's body in try/catch and return { content: [...], isError: true } from the catch",
+            "warning")
+    _return_checks(execute, add)
 
 
 def check_entry_file(path: Path) -> list[Problem]:
@@ -672,39 +716,52 @@ def _completes(node: Node) -> bool:
         return False
     if kind == "statement_block":
         return _sequence_completes(node.named_children)
-    if kind == "if_statement":
-        alternative = node.child_by_field_name("alternative")
-        if alternative is None:
-            return True
-        consequence = node.child_by_field_name("consequence")
-        other = alternative.named_children[0] if alternative.named_children else None
-        return consequence is None or other is None or _completes(consequence) or _completes(other)
-    if kind == "try_statement":
-        finalizer = node.child_by_field_name("finalizer")
-        final_body = finalizer.child_by_field_name("body") if finalizer is not None else None
-        if final_body is not None and not _completes(final_body):
-            return False
-        body = node.child_by_field_name("body")
-        handler = node.child_by_field_name("handler")
-        handler_body = handler.child_by_field_name("body") if handler is not None else None
-        return (body is None or _completes(body)) or (handler_body is not None and _completes(handler_body))
-    if kind == "switch_statement":
-        body = node.child_by_field_name("body")
-        clauses = [c for c in body.named_children if c.type in ("switch_case", "switch_default")] if body else []
-        if not any(c.type == "switch_default" for c in clauses) or _breaks_out(node):
-            return True
-        # Cases fall through, so only the last one's end decides.
-        last = clauses[-1]
-        value = last.child_by_field_name("value")
-        statements = [c for c in last.named_children if c != value and c.type != "comment"]
-        return _sequence_completes(statements)
-    if kind in ("while_statement", "for_statement", "do_statement"):
-        condition = node.child_by_field_name("condition")
-        endless = condition is None or _text(condition).strip("(); ") in ("true", "")
-        return not endless or _breaks_out(node)
-    if kind == "labeled_statement":
-        return True  # a labeled break may leave it: assume it can end
-    return True
+    judge = _COMPLETES_BY_KIND.get(kind)
+    # A labeled statement, an expression, a declaration...: a labeled break may leave it, so assume it can end.
+    return judge(node) if judge is not None else True
+
+
+def _if_completes(node: Node) -> bool:
+    alternative = node.child_by_field_name("alternative")
+    if alternative is None:
+        return True
+    consequence = node.child_by_field_name("consequence")
+    other = alternative.named_children[0] if alternative.named_children else None
+    return consequence is None or other is None or _completes(consequence) or _completes(other)
+
+
+def _try_completes(node: Node) -> bool:
+    finalizer = node.child_by_field_name("finalizer")
+    final_body = finalizer.child_by_field_name("body") if finalizer is not None else None
+    if final_body is not None and not _completes(final_body):
+        return False
+    body = node.child_by_field_name("body")
+    handler = node.child_by_field_name("handler")
+    handler_body = handler.child_by_field_name("body") if handler is not None else None
+    return (body is None or _completes(body)) or (handler_body is not None and _completes(handler_body))
+
+
+def _switch_completes(node: Node) -> bool:
+    body = node.child_by_field_name("body")
+    clauses = [c for c in body.named_children if c.type in ("switch_case", "switch_default")] if body else []
+    if not any(c.type == "switch_default" for c in clauses) or _breaks_out(node):
+        return True
+    # Cases fall through, so only the last one's end decides.
+    last = clauses[-1]
+    value = last.child_by_field_name("value")
+    return _sequence_completes([c for c in last.named_children if c != value and c.type != "comment"])
+
+
+def _loop_completes(node: Node) -> bool:
+    condition = node.child_by_field_name("condition")
+    endless = condition is None or _text(condition).strip("(); ") in ("true", "")
+    return not endless or _breaks_out(node)
+
+
+_COMPLETES_BY_KIND: dict[str, Callable[[Node], bool]] = {
+    "if_statement": _if_completes, "try_statement": _try_completes, "switch_statement": _switch_completes,
+    "while_statement": _loop_completes, "for_statement": _loop_completes, "do_statement": _loop_completes,
+}
 
 
 def _sequence_completes(statements: list[Node]) -> bool:
