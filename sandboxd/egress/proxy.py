@@ -3,18 +3,25 @@
 Each sandbox gets a unix socket of its own (the backend binds it in the sandbox's
 socket directory and hands every connection to that sandbox's ``EgressSession``),
 so the proxy knows whose traffic it carries without trusting anything the sandbox
-says. One request per connection, in HTTP/1.1 proxy form:
+says. One request per connection, in HTTP/1.1 proxy form, read by a strict parser
+(egress/http1.py: llhttp), which refuses with 400 anything it could not forward exactly
+as it understood it (bare CR or LF, control characters, obs-fold, ambiguous framing):
 
 - ``CONNECT host:port`` (HTTPS, and everything the shim tunnels) → 200, then bytes;
 - an absolute-form request ``GET http://host[:port]/path`` (what curl and Python's
-  urllib send for http:// through ``http_proxy``) → forwarded with ``Connection: close``;
+  urllib send for http:// through ``http_proxy``) → forwarded as the proxy writes it again
+  from what it parsed (``Connection: close``), with exactly the body its framing says; the
+  sandbox's bytes after the request's end are never sent on (400 when they came with the
+  head; dropped when they come later), and only the answer comes back;
 - ``GET https://host[:port]/path`` in absolute form, plaintext on the socket, for the
   hosts of ``egress.secrets`` only (the shim sends their requests so): the proxy makes the
   TLS connection itself, verifying the certificate against the host's trust store (and
   ``egress.ca_file``), so that it can put the secrets' values in (egress/secrets.py).
 
 The name is resolved here, every address checked (egress/policy.py), and the
-connection made to a checked address only. A refusal answers 403 with
+connection made to a checked address only. A connection admitted by what only the running
+call was granted (the browser relay's port, a secret's value put in) ends when the call is
+answered (egress/grants.py). A refusal answers 403 with
 ``X-Sandboxd-Egress: refused`` and one line saying why and who can change it; a
 failure (no such name, refused, timed out) 502/504 with ``X-Sandboxd-Egress: failed``.
 docs/security.md ("The network boundary") says what this stops and what it does not.
@@ -36,6 +43,8 @@ from urllib.parse import urlsplit
 from sandboxd.config import EgressConfig
 from sandboxd.egress.addresses import SCOPED
 from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
+from sandboxd.egress.grants import GRANT_ENDED
+from sandboxd.egress.http1 import MAX_HEAD_BYTES, Head, Malformed, RequestReader
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, is_host_name, parse_address
 from sandboxd.egress.relay import Relay
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host, parse_secret_hosts
@@ -46,7 +55,6 @@ from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 log = get_logger("sandboxd.egress")
 
-MAX_HEAD_BYTES = 16 << 10
 HEAD_TIMEOUT_S = 10.0
 HOST_ADDRESSES_TTL_S = 60.0
 # A sandbox counts as moving data for this long after it last did, in the shares of egress.total_rate_bytes,
@@ -325,33 +333,36 @@ class EgressSession:
 
     async def _serve(self, conn: socket.socket) -> None:
         config = self._proxy.config
+        reader = RequestReader()
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
-                head, early = await _read_head(conn)
-        except _Malformed as exc:
-            if exc.answerable:
-                self._refused()
-                await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
+                await _read_head(conn, reader)
+            assert reader.head is not None
+            if reader.extra:  # a pipelined request, or bytes past the body's end: never forwarded
+                raise Malformed("bytes follow the request's end (a second request?); the proxy takes one request "
+                                "per connection and forwards nothing it did not parse")
+            method, scheme, host, port, forward = _parse(reader.head)
+            if scheme == "https" and not names_host(self._proxy.secret_hosts, host, port, self._proxy.policy.ports):
+                raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
+                                 "https:// request (only egress.secrets hosts are fetched so)")
+        except _NoRequest:
+            return
+        except ValueError as exc:  # Malformed, or what _parse refuses
+            self._refused()
+            await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
             return
         except TimeoutError:
             self._refused()
             await _reply(conn, 400, "failed", f"egress request malformed: no complete request head within "
                                               f"{HEAD_TIMEOUT_S:g} s")
             return
-        try:
-            method, scheme, host, port, forward = _parse(head)
-            if scheme == "https" and not names_host(self._proxy.secret_hosts, host, port, self._proxy.policy.ports):
-                raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
-                                 "https:// request (only egress.secrets hosts are fetched so)")
-        except ValueError as exc:
-            self._refused()
-            await _reply(conn, 400, "failed", f"egress request malformed: {exc}")
-            return
+        # One look at the sandbox's call: what it was granted, and the grant that ends with it.
+        call = self._context()
         relaying = host == RELAY_NAME
         if relaying and self._proxy.browser_relay is not None:
             host = self._proxy.browser_relay.host  # what is logged: where the tunnel goes
         try:
-            addresses, verdict = await (self._relay_addresses(host, port) if relaying
+            addresses, verdict = await (self._relay_addresses(host, port, call.relay_port) if relaying
                                         else self._proxy.decide(host, port, self._lookups))
         except _Refused as refused:
             self._record("failed", refused.reason, host, port, None)
@@ -368,35 +379,67 @@ class EgressSession:
             self._record("failed", refused.reason, host, port, addresses[0])
             await _reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
             return
-        rewrite = self._context().stand_ins.rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
-        if scheme == "https":
-            await self._serve_tls(conn, upstream, host, port, address, verdict, rewrite, early)
+        rewrite = call.stand_ins.rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
+        # Admitted by what only this call holds (the relay's port, a secret's value): it ends with the call.
+        grant = call.grant if relaying or (rewrite is not None and rewrite.substituted) else None
+        task = asyncio.current_task()
+        assert task is not None
+        if grant is not None and not grant.hold(task):
+            upstream.close()
+            self._record("refused", GRANT_ENDED, host, port, address)
+            await _reply(conn, 403, "refused", f"egress to {host}:{port} refused by sandboxd: {GRANT_ENDED}; "
+                                               "a call's grants (its relay port, its secrets) last as long as it runs")
             return
-        self._record("allowed", verdict.reason, host, port, address, rewrite)
+        try:
+            if scheme == "https":  # the TLS connection takes the socket over, and closes it
+                assert rewrite is not None
+                await self._serve_tls(conn, upstream, host, port, address, verdict, rewrite, reader)
+            else:
+                self._record("allowed", verdict.reason, host, port, address, rewrite)
+                try:
+                    await self._serve_plain(conn, upstream, rewrite, reader)
+                finally:
+                    upstream.close()
+        finally:
+            if grant is not None:
+                grant.release(task)
+
+    async def _serve_plain(self, conn: socket.socket, upstream: socket.socket, rewrite: Rewrite | None,
+                           reader: RequestReader) -> None:
+        """A tunnel (CONNECT: the 200, then the bytes that came after the head, then both ways, raw), or an
+        absolute-form http:// request: the head as the proxy wrote it, the body as parsed, then the answer."""
+        config = self._proxy.config
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT_S):
-                if method == "CONNECT":
+            if rewrite is None:
+                async with asyncio.timeout(HEAD_TIMEOUT_S):
                     await loop.sock_sendall(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-                elif rewrite is not None:
-                    early = rewrite.head + early
-                if early:  # what the sandbox sent after its head (a TLS hello, a request body)
-                    await loop.sock_sendall(upstream, early)
-            await Relay(conn, upstream, self.budget, config.idle_timeout_s).run()
-        except TimeoutError:
+                    if reader.early:  # what the sandbox sent after its head: a TLS hello, the tunnel's own
+                        await loop.sock_sendall(upstream, reader.early)
+                await Relay(conn, upstream, self.budget, config.idle_timeout_s).run()
+                return
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                await loop.sock_sendall(upstream, rewrite.head)
+            answer = Relay(conn, upstream, self.budget, config.idle_timeout_s, upload=False)
+
+            async def send(data: bytes) -> None:
+                await loop.sock_sendall(upstream, data)
+                answer.touch()
+
+            await _both(self._send_body(conn, reader, send), answer.run())
+        except (TimeoutError, Malformed):
             pass
-        finally:
-            upstream.close()
 
     async def _serve_tls(self, conn: socket.socket, upstream: socket.socket, host: str, port: int,
-                         address: IPAddress, verdict: Verdict, rewrite: Rewrite | None, early: bytes) -> None:
+                         address: IPAddress, verdict: Verdict, rewrite: Rewrite, reader: RequestReader) -> None:
         """An absolute-form https:// request: TLS to the origin (its certificate verified for ``host``), the
-        head as rewritten, then both ways until the answer ends. Bytes pass through Python here, not splice."""
-        assert rewrite is not None
+        head as rewritten and the body as parsed, then the answer until it ends. Bytes pass through Python
+        here, not splice."""
         config = self._proxy.config
         try:
             async with asyncio.timeout(config.connect_timeout_ms / 1000):
-                reader, writer = await asyncio.open_connection(sock=upstream, ssl=self._proxy.tls, server_hostname=host)
+                tls_in, tls_out = await asyncio.open_connection(sock=upstream, ssl=self._proxy.tls,
+                                                                server_hostname=host)
         except (TimeoutError, OSError, ssl.SSLError) as exc:
             upstream.close()
             why = "the TLS handshake took too long" if isinstance(exc, TimeoutError) else _tls_failure(exc)
@@ -407,31 +450,49 @@ class EgressSession:
         loop = asyncio.get_running_loop()
         idle = config.idle_timeout_s
 
-        async def request() -> None:
-            data = rewrite.head + early
-            while data:
-                await self._paced(len(data))
-                writer.write(data)
-                await writer.drain()
-                data = await loop.sock_recv(conn, TLS_READ_BYTES)
+        async def send(data: bytes) -> None:
+            tls_out.write(data)
+            await tls_out.drain()
 
-        sending = asyncio.ensure_future(request())
-        try:
+        async def request() -> None:
+            await self._paced(len(rewrite.head))
+            await send(rewrite.head)
+            await self._send_body(conn, reader, send)
+
+        async def answer() -> None:
             while True:
                 async with asyncio.timeout(idle):
-                    data = await reader.read(TLS_READ_BYTES)
+                    data = await tls_in.read(TLS_READ_BYTES)
                 if not data:
                     break
                 await self._paced(len(data))
                 async with asyncio.timeout(idle):
                     await loop.sock_sendall(conn, data)
             conn.shutdown(socket.SHUT_WR)
-        except (TimeoutError, OSError, ssl.SSLError):
+
+        try:
+            await _both(request(), answer())
+        except (TimeoutError, OSError, ssl.SSLError, Malformed):
             pass
         finally:
-            sending.cancel()
-            await asyncio.gather(sending, return_exceptions=True)
-            writer.close()
+            tls_out.close()
+
+    async def _send_body(self, conn: socket.socket, reader: RequestReader,
+                         send: Callable[[bytes], Awaitable[None]]) -> None:
+        """The request's body as the parser framed it, within the sandbox's budget, and nothing after its
+        end: once the request is complete, the sandbox's connection is not read again (egress/http1.py)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            body = reader.take_body()
+            if body:
+                await self._paced(len(body))
+                await send(body)
+            if reader.complete:
+                return
+            data = await loop.sock_recv(conn, TLS_READ_BYTES)
+            if not data:
+                raise Malformed("the connection ended inside the request body")
+            reader.feed(data)
 
     async def _paced(self, size: int) -> None:
         """Spend ``size`` bytes of the sandbox's egress budget, waiting first if it is short."""
@@ -440,11 +501,11 @@ class EgressSession:
             await asyncio.sleep(wait)
         self.budget.spend(size)
 
-    async def _relay_addresses(self, host: str, port: int) -> tuple[list[IPAddress], Verdict]:
-        """The browser relay's addresses, when the running call was granted ``port`` (browser_relay.py);
-        ``[]`` when refused. The operator named the host: the egress policy does not judge it, but a
-        name still resolves within the sandbox's lookups."""
-        verdict = tunnel_verdict(self._proxy.browser_relay, port, self._context().relay_port)
+    async def _relay_addresses(self, host: str, port: int, call_port: int | None) -> tuple[list[IPAddress], Verdict]:
+        """The browser relay's addresses, when the running call was granted ``port`` (its ``call_port``,
+        browser_relay.py); ``[]`` when refused. The operator named the host: the egress policy does not
+        judge it, but a name still resolves within the sandbox's lookups."""
+        verdict = tunnel_verdict(self._proxy.browser_relay, port, call_port)
         if not verdict.allowed:
             return [], verdict
         literal = parse_address(host)
@@ -474,33 +535,38 @@ class EgressSession:
                      **named, budget=source("sandbox", self.sandbox_id))
 
 
-class _Malformed(Exception):
-    """The request head is not one: ``answerable`` unless the sandbox went away before sending any."""
-
-    def __init__(self, message: str, *, answerable: bool = True) -> None:
-        super().__init__(message)
-        self.answerable = answerable
+class _NoRequest(Exception):
+    """The sandbox closed the connection without sending a byte: nothing to answer."""
 
 
-async def _read_head(conn: socket.socket) -> tuple[bytes, bytes]:
-    """The request head, through its blank line, and what the sandbox sent after it (early bytes)."""
+async def _read_head(conn: socket.socket, reader: RequestReader) -> None:
+    """Feed ``reader`` until it has the request head (and what came with it); Malformed says what is wrong."""
     loop = asyncio.get_running_loop()
-    buffer = bytearray()
-    while True:
+    received = False
+    while reader.head is None:
         chunk = await loop.sock_recv(conn, 4096)
         if not chunk:
-            if buffer:
-                raise _Malformed("the connection ended inside the request head")
-            raise _Malformed("no request", answerable=False)
-        start = max(0, len(buffer) - 3)
-        buffer += chunk
-        end = buffer.find(b"\r\n\r\n", start)
-        if end >= 0:
-            if end + 4 > MAX_HEAD_BYTES:
-                raise _Malformed(f"the request head exceeds {MAX_HEAD_BYTES} bytes")
-            return bytes(buffer[:end + 4]), bytes(buffer[end + 4:])
-        if len(buffer) > MAX_HEAD_BYTES:
-            raise _Malformed(f"the request head exceeds {MAX_HEAD_BYTES} bytes")
+            if received:
+                raise Malformed("the connection ended inside the request head")
+            raise _NoRequest
+        received = True
+        reader.feed(chunk)
+
+
+async def _both(request: Awaitable[None], answer: Awaitable[None]) -> None:
+    """The request's body goes up while the answer comes down (a 100 Continue, an early 413). The answer's
+    end ends both; a request that breaks (a malformed body, the sandbox gone) ends the answer too, since
+    the origin would wait for the rest of it."""
+    sending, answering = asyncio.ensure_future(request), asyncio.ensure_future(answer)
+    try:
+        done, _ = await asyncio.wait({sending, answering}, return_when=asyncio.FIRST_COMPLETED)
+        if sending in done:
+            sending.result()  # raises what broke the request
+            await answering
+    finally:
+        for task in (sending, answering):
+            task.cancel()
+        await asyncio.gather(sending, answering, return_exceptions=True)
 
 
 async def _connect(addresses: list[IPAddress], port: int, timeout_ms: int) -> tuple[socket.socket, IPAddress]:
@@ -559,18 +625,10 @@ def _tls_failure(exc: BaseException) -> str:
     return f"the TLS connection failed ({exc})"
 
 
-def _parse(head: bytes) -> tuple[str, str, str, int, bytes]:
-    """(method, scheme, host, port, the request to forward or b"") from a request head; ValueError says what is wrong."""
-    lines = head[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-        raise ValueError(f"{lines[0][:200]!r} is not an HTTP/1.x request line")
-    method, target = parts[0].decode("ascii", "replace"), parts[1].decode("ascii", "replace")
-    if not method.isalpha() or not method.isupper():
-        raise ValueError(f"{method[:40]!r} is not an HTTP method")
-    for line in lines[1:]:
-        if b":" not in line or line[:1] in (b" ", b"\t"):
-            raise ValueError(f"header line {line[:200]!r} is malformed (or folded)")
+def _parse(head: Head) -> tuple[str, str, str, int, bytes]:
+    """(method, scheme, host, port, the request head to forward or b"") from a parsed head; ValueError says
+    what is wrong. The head forwarded is written here from what was parsed, never the sandbox's bytes."""
+    method, target = head.method, head.target
     if method == "CONNECT":
         host, port = _authority(target)
         return method, "", host, port, b""
@@ -586,7 +644,7 @@ def _parse(head: bytes) -> tuple[str, str, str, int, bytes]:
         path += "?" + url.query
     # Host is the URL's, whatever the request said (RFC 9112, 3.2.2): a Host of its own would let a tool
     # send a request checked for one name to another site on the same server (a CDN's), secrets and all.
-    headers = [line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS | {b"host"}]
+    headers = [name + b": " + value for name, value in head.headers if name.lower() not in _HOP_HEADERS | {b"host"}]
     headers.insert(0, b"Host: " + url.netloc.encode())
     forward = b"\r\n".join([f"{method} {path} HTTP/1.1".encode(), *headers, b"Connection: close", b"", b""])
     return method, url.scheme, host, port, forward

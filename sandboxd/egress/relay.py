@@ -225,8 +225,11 @@ class Relay:
     non-blocking sockets that no transport owns. The caller closes them after ``run``.
     """
 
-    def __init__(self, client: socket.socket, upstream: socket.socket, budget: Budget, idle_timeout_s: float) -> None:
+    def __init__(self, client: socket.socket, upstream: socket.socket, budget: Budget, idle_timeout_s: float,
+                 *, upload: bool = True) -> None:
         self.loop = asyncio.get_running_loop()
+        # False: the proxy sent the request itself (an absolute-form request it parsed); only the answer moves.
+        self._upload = upload
         self.budget = budget
         self._idle_timeout_s = idle_timeout_s
         self._last = time.monotonic()
@@ -245,7 +248,8 @@ class Relay:
             self._finished.set_result(None)
 
     async def run(self) -> None:
-        self._up.start()
+        if self._upload:
+            self._up.start()
         self._down.start()
         try:
             while True:

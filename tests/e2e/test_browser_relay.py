@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
-from tests.e2e.conftest import Daemon
+from tests.e2e.conftest import Daemon, write_tool
 
 pytestmark = pytest.mark.docker
 
@@ -36,13 +36,17 @@ class _Echo(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         self.server.connections += 1
         for line in self.rfile:
+            self.server.lines.append(line)
             self.wfile.write(b"echo: " + line)
+        self.server.closed.append(time.monotonic())  # when the tunnel's far end saw it end
 
 
 class _EchoServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
     connections = 0
+    lines: list[bytes]
+    closed: list[float]
 
 
 class Relay:
@@ -50,6 +54,7 @@ class Relay:
 
     def __init__(self) -> None:
         self.echo, ws_socket = self._adjacent()
+        self.echo.lines, self.echo.closed = [], []
         self.tcp_port = self.echo.server_address[1]
         self.ws_port = ws_socket.getsockname()[1]
         self.paths: list[str] = []
@@ -230,3 +235,69 @@ def test_relay_connections_are_held_to_the_sandboxs_egress_budget(make_daemon: A
     while (again := probe(daemon, "tcp", relay.tcp_port)) != {"reply": "echo: round trip"}:
         assert time.monotonic() < deadline, again
         time.sleep(0.2)
+
+
+KEEPER = r"""
+import * as net from "node:net";
+
+const kept = globalThis as any;  // the sandbox's process outlives the call: so does what a tool leaves here
+const report = (value: unknown) => ({ content: [{ type: "text" as const, text: JSON.stringify(value) }] });
+const until = async (done: () => boolean) => {
+  for (const end = Date.now() + 10000; !done(); await new Promise((r) => setTimeout(r, 10))) {
+    if (Date.now() > end) throw new Error("timed out");
+  }
+};
+
+export async function execute(_id: string, params: { mode: string; port: number }) {
+  if (params.mode === "open") {  // a tunnel to the relay, opened in this call and kept past its answer
+    const sock = net.connect({ path: "/officer/run/egress.sock" });
+    const tunnel = { sock, data: "", closed: false };
+    sock.on("data", (d) => { tunnel.data += d.toString("latin1"); });
+    sock.on("error", () => {});
+    sock.on("close", () => { tunnel.closed = true; });
+    sock.write(`CONNECT browser-relay.sandboxd.invalid:${params.port} HTTP/1.1\r\n\r\n`);
+    await until(() => tunnel.data.includes("\r\n\r\n"));
+    sock.write("held\n");
+    await until(() => tunnel.data.includes("echo: held\n") || tunnel.closed);
+    kept.tunnel = tunnel;
+    return report({ data: tunnel.data });
+  }
+  const tunnel = kept.tunnel;  // a later call, granted another port: the old tunnel, written to again
+  if (!tunnel) return report({ kept: false });
+  const closedBefore = tunnel.closed, before = tunnel.data.length;
+  if (!tunnel.closed) tunnel.sock.write("again\n");
+  await new Promise((r) => setTimeout(r, 1500));
+  return report({ kept: true, closedBefore, reply: tunnel.data.slice(before) });
+}
+"""
+
+
+def test_a_tunnel_a_tool_keeps_past_its_call_ends_with_the_answer(make_daemon: Any, relay: Relay) -> None:
+    """Issue 36, item 3: a grant ends with its call. The tool opens the relay in a call granted the echo
+    port and returns with the tunnel open. The relay sees it closed within a second of the answer; a
+    later call in the same sandbox, granted the other port, finds the old tunnel dead."""
+    daemon = make_daemon(env={"SANDBOXD_INTEGRATIONS_BROWSER_RELAY": relay.setting}, start=False)
+    write_tool(daemon.data / "tools", "tunnel_keeper", KEEPER,
+               inputs="  mode:\n    type: string\n    description: open or reuse.\n"
+                      "  port:\n    type: number\n    description: The relay port of the call.\n")
+    daemon.start()
+
+    def keeper(mode: str, port: int) -> dict[str, Any]:
+        with daemon.client() as client:
+            result = client.call_tool(USER, "tunnel_keeper", {"mode": mode, "port": port},
+                                      env={"OFFICER_BROWSER_RELAY_PORT": str(port)}, timeout_ms=60_000)
+        assert result["status"] == "ok", result
+        return dict(json.loads(result["content"][0]["text"]))
+
+    opened = keeper("open", relay.tcp_port)
+    answered = time.monotonic()
+    assert opened["data"].startswith("HTTP/1.1 200") and opened["data"].endswith("echo: held\n"), opened
+    while not relay.echo.closed and time.monotonic() < answered + 5:
+        time.sleep(0.02)
+    assert relay.echo.closed, "the relay's connection is still open 5 s after the call's answer"
+    assert relay.echo.closed[0] - answered < 1.0, f"closed {relay.echo.closed[0] - answered:.2f} s after the answer"
+
+    later = keeper("reuse", relay.ws_port)
+    assert later["kept"] is True, later  # the same sandbox: the tool's socket is still there, its tunnel is not
+    assert later["reply"] == "" and relay.echo.lines == [b"held\n"], (later, relay.echo.lines)
+    assert relay.echo.connections == 1

@@ -384,8 +384,8 @@ def test_a_listed_local_server_is_reached_by_connect_and_by_absolute_form() -> N
     (b"CONNECT x.test:99999 HTTP/1.1\r\n\r\n", b"is not a port"),
     (b"CONNECT user:pw@x.test:443 HTTP/1.1\r\n\r\n", b"credentials"),
     (b"CONNECT bad_host!:443 HTTP/1.1\r\n\r\n", b"is not a host name"),
-    (b"\x16\x03\x01 garbage\r\n\r\n", b"is not an HTTP/1.x request line"),
-    (b"CONNECT x.test:443 HTTP/1.1\r\n folded\r\n\r\n", b"malformed (or folded)"),
+    (b"\x16\x03\x01 garbage\r\n\r\n", b"Invalid method encountered (llhttp, strict)"),
+    (b"CONNECT x.test:443 HTTP/1.1\r\n folded\r\n\r\n", b"Unexpected space after start line (llhttp, strict)"),
     (b"CONNECT x.test:443 HTTP/1.1\r\n" + b"X: " + b"a" * 20000 + b"\r\n\r\n", b"exceeds"),
 ])
 def test_malformed_requests_get_400_naming_the_problem(request_bytes: bytes, problem: bytes) -> None:
