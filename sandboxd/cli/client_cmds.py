@@ -140,6 +140,15 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{counters.get('start_failures', 0)} failed to start")
     calls = status.get("calls") or {}
     lines.append("calls: " + (", ".join(f"{k} {v}" for k, v in sorted(calls.items())) if calls else "none yet"))
+    storage = status.get("storage")
+    if storage:
+        from sandboxd.storage.quota import size_text
+
+        modes = ", ".join(f"{place['area']} folders {place['mode']}" for place in storage["enforcement"])
+        lines.append(f"disk quota: {modes}; {count(storage['refusals'], 'call')} refused over quota")
+        for user, row in sorted(storage["users"].items()):
+            lines.append(f"  {user}: {size_text(row['bytes'])} of {size_text(row['limitBytes'])}, "
+                         f"{row['inodes']} of {row['limitInodes']} files" + (" — OVER QUOTA" if row["over"] else ""))
     if limits:
         per_user = count(limits["maxPerUser"], "sandbox", "sandboxes")
         lines.append(f"limits: {per_user} per user, {limits['maxTotal']} in all, "

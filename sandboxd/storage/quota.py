@@ -182,7 +182,8 @@ class UserUsage:
         return self.usage.bytes >= self.limit_bytes - max(1 << 20, self.limit_bytes // 20)
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes for a person: 12.0 MiB."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -406,7 +407,7 @@ class Storage:
         self.after_call(user)  # measured again now: a user who cleaned up is let in at the next call
         usage = record.usage
         if record.over_bytes:
-            what = (f"hold {_size(usage.bytes)}, over their quota of {_size(record.limit_bytes)} "
+            what = (f"hold {size_text(usage.bytes)}, over their quota of {size_text(record.limit_bytes)} "
                     "(storage.quota_bytes)")
         else:
             what = (f"hold {usage.inodes}{'+' if not usage.complete else ''} files and folders, over their quota of "
@@ -427,7 +428,7 @@ class Storage:
         record = await loop.run_in_executor(self._executor, self.measure_now, user)
         usage = record.usage
         if record.at_bytes_limit():
-            what = f"hold {_size(usage.bytes)} of their {_size(record.limit_bytes)} quota (storage.quota_bytes)"
+            what = f"hold {size_text(usage.bytes)} of their {size_text(record.limit_bytes)} quota (storage.quota_bytes)"
         elif usage.inodes >= record.limit_inodes:
             what = f"hold {usage.inodes} files and folders, their quota (storage.quota_inodes)"
         else:

@@ -152,3 +152,21 @@ def test_the_metrics_give_each_users_usage_and_limit() -> None:
     assert samples[("sandboxd_user_disk_inodes", "dave@example.com")] == 12
     assert samples[("sandboxd_user_disk_limit_inodes", "dave@example.com")] == 100
     assert samples[("sandboxd_quota_refusals_total", None)] == 2
+
+
+def test_sandboxd_status_shows_each_users_usage_and_limit(tmp_path: Path) -> None:
+    from sandboxd.cli.client_cmds import format_status
+
+    store = _storage(tmp_path, quota_bytes="1m")
+    store.resolve()
+    (tmp_path / "erin@example.com").mkdir()
+    (tmp_path / "erin@example.com" / "f").write_bytes(b"e" * 2 * MIB)
+    os.sync()
+    store.measure_now("erin@example.com")
+    status = {"version": "x", "backend": "docker", "uptimeS": 1, "connections": 0, "callsInFlight": 0,
+              "pool": {"totals": {"idle": 0, "busy": 0, "starting": 0, "waiting": 0}, "users": {}},
+              "storage": store.status()}
+    text = format_status(status)
+    assert "disk quota: data folders soft, email folders soft; 0 calls refused over quota" in text
+    assert "erin@example.com: 2.0 MiB of 1.0 MiB, 2 of 500000 files — OVER QUOTA" in text
+    store.close()
