@@ -5,8 +5,11 @@ socket here; a client process sends N absolute-form requests, one per connection
 another, to an upstream process on 127.0.0.1 that answers each ``ok``. What this process spent
 (user + system CPU, from getrusage) divided by N is the proxy's cost of a request: the head's
 parsing, the decision, the connect, forwarding, the answer's relay. Client and upstream run in
-processes of their own, so they are not counted. Issue 36 measured the hand-written head
-splitting against the llhttp parser (egress/http1.py) with it: docs/performance.md.
+processes of their own, so they are not counted. Issue 36 measured with it the hand-written
+head splitting against the llhttp parser (egress/http1.py), on a loaded 2-core AMD EPYC:
+about 810 µs a request before, 870 µs after (no body); 1.1 ms and 1.25 ms with a 64 KiB body,
+which now passes through Python (parsed) instead of splice. Most of it is the connect, the
+decision and its log line, not the parsing (9-12 µs).
 """
 
 from __future__ import annotations

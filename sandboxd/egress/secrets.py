@@ -148,7 +148,9 @@ class StandIns:
 
     def rewrite(self, head: bytes, host: str, port: int, ports: frozenset[int]) -> Rewrite:
         """``head`` (request line and headers, as the proxy forwards them) with the stand-ins of the
-        secrets that belong to ``host:port`` replaced by their values in the query and the headers."""
+        secrets that belong to ``host:port`` replaced by their values in the query and the headers.
+        The proxy wrote ``head`` itself from what its parser read (egress/http1.py), so every CRLF in
+        it ends a line for the origin too, and no value holds a control character (value_problem)."""
         if not self.secrets:
             return Rewrite(head)
         own = [s for s in self.secrets if s.belongs_to(host, port, ports)]
