@@ -23,9 +23,9 @@ from sandboxd.errors import InvalidParams, SandboxdError
 from sandboxd.logging import configure_logging
 from sandboxd.tools.discovery import ENTRY_FILES, Tool
 from sandboxd.tools.manifest import MANIFEST_FILE
-from sandboxd.tools.scaffold import ScaffoldError, scaffold_tool
+from sandboxd.dev.scaffold import ScaffoldError, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
-from sandboxd.tools.validation import validate_tool_dir
+from sandboxd.dev.lint.validation import validate_tool_dir
 
 EXIT_INTERRUPTED = 130
 

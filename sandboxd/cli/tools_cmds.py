@@ -17,7 +17,7 @@ from sandboxd.client import Client, DaemonUnreachable, RpcError
 from sandboxd.config import Config
 from sandboxd.tools.discovery import Skipped, ToolCatalog
 from sandboxd.tools.sync import sync_tools
-from sandboxd.tools.validation import validate_paths
+from sandboxd.dev.lint.validation import validate_paths
 from sandboxd.users import global_tools_dir, user_tools_dir
 
 DAEMON_TIMEOUT_S = 10.0  # a daemon that does not answer tools/list by then is treated as absent

@@ -233,7 +233,7 @@ def test_tools_list_in_a_second_terminal_sees_what_the_daemon_serves(make_daemon
 
 def test_the_sandbox_and_validate_give_the_same_export_fix(tmp_path: Path, env: dict[str, str]) -> None:
     """One source for the fix text (images/node/shim/src/fixes.json): the image's shim and the linter agree."""
-    from sandboxd.tools.checks import EXECUTE_SIGNATURE, EXPORT_FIX
+    from sandboxd.dev.lint import EXECUTE_SIGNATURE, EXPORT_FIX
 
     write_tool(tmp_path, "classy", "export class MyTool { async run() { return 1; } }\n")
     ran = sandboxd("run", "classy", cwd=tmp_path, env=env)

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandboxd.cli.main import main
-from sandboxd.tools.validation import validate_paths
-from sandboxd.tools.checks import EXPORT_FIX, check_entry_file, check_entry_source, check_synced_copy
+from sandboxd.dev.lint.validation import validate_paths
+from sandboxd.dev.lint import EXPORT_FIX, check_entry_file, check_entry_source, check_synced_copy
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from sandboxd.cli.main import main
-from sandboxd.tools.validation import validate_paths
+from sandboxd.dev.lint.validation import validate_paths
 from sandboxd.tools.discovery import inspect_tool_dir
-from sandboxd.tools.scaffold import ScaffoldError, label_for, scaffold_tool
+from sandboxd.dev.scaffold import ScaffoldError, label_for, scaffold_tool
 from sandboxd.tools.schema import validate_arguments
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from sandboxd.cli.main import main
-from sandboxd.tools.validation import validate_paths
+from sandboxd.dev.lint.validation import validate_paths
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = REPO / "seed" / "tools"
@@ -357,7 +357,7 @@ def test_tools_list_json_in_a_real_process(data: Path, tmp_path: Path) -> None:
 
 
 def test_validate_warns_where_the_daemon_would_skip_tools_of_a_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sandboxd.tools import validation
+    from sandboxd.dev.lint import validation
 
     monkeypatch.setattr(validation, "MAX_ENTRIES_PER_ROOT", 2)
     monkeypatch.setattr(validation, "MAX_ROOT_MANIFEST_BYTES", 100)

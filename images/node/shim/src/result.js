@@ -5,7 +5,7 @@
 const path = require('node:path');
 const util = require('node:util');
 
-// Shared with sandboxd validate (sandboxd/tools/checks.py reads the same file).
+// Shared with sandboxd validate (sandboxd/dev/lint/syntax.py reads the same file).
 const FIXES = require('./fixes.json');
 
 const RETURN_HINT = FIXES.returnFix;

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from sandboxd.tools.checks import check_entry_file, check_synced_copy
+from sandboxd.dev.lint.entry import check_entry_file
+from sandboxd.dev.lint.synced import check_synced_copy
 from sandboxd.tools.discovery import (
     ENTRY_FILES,
     MAX_ENTRIES_PER_ROOT,
