@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote, unquote
@@ -21,6 +23,7 @@ from urllib.parse import quote, unquote
 import pytest
 
 from sandboxd.egress.secrets import STAND_IN_PREFIX
+from tests.e2e.conftest import write_tool
 from tests.tls_certs import make_ca
 
 pytestmark = pytest.mark.docker
@@ -162,3 +165,52 @@ def test_a_secrets_https_host_with_a_certificate_the_daemon_does_not_trust_gets_
     assert seen["httpsTls"].startswith("502"), seen
     assert tls.by_path("/tls") == [] and tls.by_path("/tls-module") == []
     assert not holds_real(daemon.log_path.read_text(errors="replace"))
+
+
+LEAVER = r"""
+export async function execute(_id: string, params: { port: number }) {
+  // A request with the secret, never awaited: the tool returns while the host still holds it.
+  (globalThis as any).left = fetch(`http://127.0.0.1:${params.port}/hold`, {
+    headers: { "X-Api-Key": process.env.OFFICER_APIFY_TOKEN! } }).catch(() => {});
+  await new Promise((resolve) => setTimeout(resolve, 1000));
+  return { content: [{ type: "text", text: "left it open" }] };
+}
+"""
+
+
+def test_a_request_carrying_the_value_ends_when_its_call_is_answered(make_daemon: Any) -> None:
+    """Issue 36, item 3: a connection the proxy put the value into is the call's. The tool leaves one
+    open past its answer (the host never answers it); the host sees it closed within a second."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    seen: dict[str, Any] = {}
+
+    def hold() -> None:
+        conn, _ = listener.accept()
+        head = b""
+        while b"\r\n\r\n" not in head and (chunk := conn.recv(4096)):
+            head += chunk
+        seen["head"] = head
+        while conn.recv(4096):  # held, unanswered, until the proxy ends it
+            pass
+        seen["closed"] = time.monotonic()
+        conn.close()
+
+    threading.Thread(target=hold, daemon=True).start()
+    daemon = make_daemon(env={"SANDBOXD_EGRESS_ALLOW": json.dumps([f"127.0.0.1:{port}"]),
+                              "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"127.0.0.1:{port}"]})}, start=False)
+    write_tool(daemon.data / "tools", "leaver", LEAVER,
+               inputs="  port:\n    type: number\n    description: The secret's host's port.\n")
+    daemon.start()
+    try:
+        with daemon.client() as client:
+            result = client.call_tool(USER, "leaver", {"port": port}, env={NAME: REAL}, timeoutMs=60_000)
+        answered = time.monotonic()
+        assert result["status"] == "ok", result
+        assert REAL.encode() in seen.get("head", b""), seen  # the value went in: the connection is the call's
+        while "closed" not in seen and time.monotonic() < answered + 5:
+            time.sleep(0.02)
+        assert "closed" in seen, "the request carrying the value is still open 5 s after the call's answer"
+        assert seen["closed"] - answered < 1.0, f"closed {seen['closed'] - answered:.2f} s after the answer"
+    finally:
+        listener.close()
