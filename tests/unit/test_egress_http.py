@@ -51,7 +51,7 @@ def read(data: bytes, *, pieces: int = 1) -> RequestReader:
     (b"POST http://a/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n", "chunk size"),
     (b"GET http://a/ HTTP/2.0\r\n\r\n", "HTTP/2.0"),
     (b"GET http://a/ HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", "through CONNECT"),
-    (b"GET http://a/\xff HTTP/1.1\r\n\r\n", ""),
+    (b"GET http://a/\xff HTTP/1.1\r\n\r\n", "Invalid char in url"),
     (b"GET http://a/ HTTP/1.1\r\nX: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n", f"exceeds {MAX_HEAD_BYTES} bytes"),
 ])
 @pytest.mark.parametrize("pieces", [1, 7])
