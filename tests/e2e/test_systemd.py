@@ -335,6 +335,19 @@ def test_the_unit_gives_the_daemon_the_descriptors_its_budget_needs(machine: Mac
     assert budget["clients"] > 60_000 and budget["per_client"] > 15_000, budget
 
 
+def test_the_unit_gives_the_daemon_the_descriptors_its_budget_needs(machine: Machine) -> None:
+    """LimitNOFILE= sets both limits: under SystemCallFilter=~@resources the daemon cannot raise its own,
+    and systemd's default soft limit (1024) cannot hold the default configuration (service/fds.py)."""
+    assert machine.rpc(MEMBER, PING) == [PONG]
+    assert machine.show("sandboxd.service", "LimitNOFILE", "LimitNOFILESoft") == {
+        "LimitNOFILE": "65536", "LimitNOFILESoft": "65536"}
+    # systemd cannot give more than its own hard limit (this container's: the engine's default, 20000 here).
+    ceiling = int(machine.sh("awk '/Max open files/ {print $5}' /proc/1/limits").stdout)
+    budget = machine.events("fd_budget")[-1]
+    assert budget["soft_at_start"] == budget["hard"] == budget["limit"] == min(65536, ceiling), budget
+    assert budget["per_client"] == (budget["limit"] - 256 - 32 * 72 - 8) // 4, budget
+
+
 def test_a_member_of_the_group_runs_a_tool_in_a_real_sandbox_and_an_outsider_is_refused(
         machine: Machine, docker_api: Any) -> None:
     answer = machine.rpc(MEMBER, call("hello", {"name": "systemd"}))[0]
