@@ -190,6 +190,12 @@ def log_dropped_summary() -> None:
             hint="these sources logged faster than log_rate lines/s (log_burst at once); the metrics count every event")
 
 
+def admitted(kind_who: tuple[str, str], event: str) -> bool:
+    """Whether the budget of ``kind_who`` admits one more ``event`` line (a drop is counted as within_budget
+    counts it). For a hot path: build the line only when admitted, and log it then without ``budget=``."""
+    return _budget.admit(kind_who, event)
+
+
 def within_budget(_logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """First in the chain: a line over its source's budget is dropped before any other work."""
     kind_who = event.pop(BUDGET_KEY, None)

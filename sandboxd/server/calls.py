@@ -37,7 +37,7 @@ from sandboxd.egress.browser_relay import relay_for_call
 from sandboxd.egress.secrets import StandIns, value_problem
 from sandboxd.errors import (BackendUnavailable, InvalidParams, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed,
                              ShuttingDown)
-from sandboxd.logging import get_logger, secret_values, source
+from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.rpc import Later, is_request_id, notification
@@ -417,18 +417,19 @@ class CallRunner:
     def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
         """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
         self.counts[status] = self.counts.get(status, 0) + 1
-        log.info(
-            "call",
-            user=call.user,
-            tool=call.tool.name,
-            tool_call_id=call.tool_call_id,
-            status=status,
-            duration_ms=round(duration_s * 1000),
-            queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
-            sandbox=None if ctx.sandbox is None else ctx.sandbox.id,
-            **({"error": error} if error else {}),
-            budget=source("user", call.user),
-        )
+        # Built only when the user's log budget admits it: at a few thousand calls a second most are dropped.
+        if admitted(source("user", call.user), "call"):
+            log.info(
+                "call",
+                user=call.user,
+                tool=call.tool.name,
+                tool_call_id=call.tool_call_id,
+                status=status,
+                duration_ms=round(duration_s * 1000),
+                queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
+                sandbox=None if ctx.sandbox is None else ctx.sandbox.id,
+                **({"error": error} if error else {}),
+            )
         if self.on_call is not None:
             self.on_call(call.tool.name, status, duration_s, ctx.queue_wait_s)
 

@@ -17,7 +17,7 @@ from sandboxd import __version__
 from sandboxd.config import load_config
 from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import ConfigError
-from sandboxd.logging import configure_logging
+from sandboxd.logging import configure_logging, lines_dropped, set_log_budget
 from sandboxd.sandbox.backend import CallRequest, EgressCall
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server
@@ -191,6 +191,30 @@ def test_one_call_event_per_call_without_secrets(tmp_path: Path) -> None:
         assert isinstance(event["duration_ms"], int) and isinstance(event["queue_ms"], int)
         assert event["sandbox"].startswith("fake-")
         assert "arguments" not in event and "env" not in event
+
+
+def test_call_events_past_the_users_log_budget_are_dropped_and_counted_but_every_call_is_in_the_metrics(
+        tmp_path: Path) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+    set_log_budget(rate=0.001, burst=2)
+    dropped_before = lines_dropped().get("user", 0)
+
+    async def test(server: Server) -> None:
+        for _ in range(5):
+            assert (await call(server, "World"))["result"]["status"] == "ok"
+        await asyncio.sleep(0.05)  # each call is recorded just after its answer
+        values = samples(server.metrics.render()[0].decode())
+        assert values[("sandboxd_calls_total", (("status", "ok"), ("tool", "hello")))] == 5
+        assert values[("sandboxd_call_duration_seconds_count", (("tool", "hello"),))] == 5
+
+    try:
+        run_server(tmp_path, test)
+    finally:
+        set_log_budget(rate=10, burst=100)
+    calls = [e for e in map(json.loads, stream.getvalue().splitlines()) if e["event"] == "call"]
+    assert len(calls) == 2 and all(e["user"] == USER and e["status"] == "ok" and "budget" not in e for e in calls)
+    assert lines_dropped()["user"] - dropped_before == 3
 
 
 def test_egress_decisions_are_counted_by_decision_and_reason(tmp_path: Path) -> None:
