@@ -164,3 +164,42 @@ def test_the_proxy_forwards_nothing_after_the_request_even_when_it_comes_later()
     received, answer = asyncio.run(scenario())
     assert received.endswith(b"Connection: close\r\n\r\nhi") and b"smuggled" not in received, received
     assert answer.endswith(b"ok"), answer
+
+
+def test_a_request_whose_call_was_answered_gets_no_value_and_reaches_nothing() -> None:
+    """The call ended between the proxy's look at it and the connect: its grant admits nothing more, so a
+    request that would carry its secret is refused (403) before a byte goes to the host."""
+    from sandboxd.config import EgressConfig
+    from sandboxd.egress.proxy import EgressProxy
+    from sandboxd.egress.secrets import StandIns
+    from sandboxd.sandbox.backend import EgressCall
+
+    async def scenario() -> tuple[bytes, bytes]:
+        received = bytearray()
+
+        async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            received.extend(await r.read(65536))
+            w.close()
+
+        server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        env, stand_ins = StandIns.for_call({"T": "real-value"}, {"T": [f"127.0.0.1:{port}"]})
+        grant = CallGrant()
+        grant.end()
+        proxy = EgressProxy(EgressConfig(allow=[f"127.0.0.1:{port}"]))
+        session = proxy.session("a@b.c", "s", lambda: EgressCall("t", frozenset(), stand_ins, None, grant))
+        ours, theirs = socket.socketpair()
+        task = asyncio.ensure_future(session.handle(theirs))
+        r, w = await asyncio.open_connection(sock=ours)
+        w.write(f"GET http://127.0.0.1:{port}/ HTTP/1.1\r\nX-Key: {env['T']}\r\n\r\n".encode())
+        answer = await asyncio.wait_for(r.read(), 10)
+        w.close()
+        await asyncio.wait_for(task, 10)
+        await asyncio.sleep(0.1)
+        server.close()
+        proxy.close()
+        return bytes(received), answer
+
+    received, answer = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 403") and GRANT_ENDED.encode() in answer, answer
+    assert b"real-value" not in received and received == b"", received
