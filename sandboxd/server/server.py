@@ -354,10 +354,14 @@ class Server:
 
     # -- reload ------------------------------------------------------------------
 
-    async def check(self, config: Config) -> None:
+    async def check(self, config: Config, *, engine: bool = True) -> None:
         """What start-up refuses, asked of ``config`` (ConfigError naming it and its fix): start-up and every reload
-        that changes the sandbox settings call it, so a reload never applies what a restart would refuse."""
-        await self.backend.preflight(config.sandbox)  # asks the engine in a worker thread
+        call it, so a reload never applies what a restart would refuse. ``engine``: ask Docker too (the sandbox
+        settings changed)."""
+        if self.fd_budget is not None:  # the limit is the one start-up raised; the shares must still fit it
+            FdBudget.plan(config, self.fd_budget.limit)
+        if engine:
+            await self.backend.preflight(config.sandbox)  # asks the engine in a worker thread
 
     async def reload(self, load: Callable[[], Config]) -> bool:
         """Re-read the configuration and apply what can change live; a bad file, or one start-up would
@@ -366,8 +370,7 @@ class Server:
             try:
                 new = load()
                 change = config_change(self.config, new)
-                if change.touches("sandbox"):
-                    await self.check(change.config)
+                await self.check(change.config, engine=change.touches("sandbox"))
             except ConfigError as exc:
                 log.error("config_reload_failed", error=exc.message,
                           hint="the running configuration is unchanged; fix the file and reload again")
@@ -390,6 +393,8 @@ class Server:
         change = config_change(self.config, new)
         effective, applied, ignored = change.config, change.applied, change.needs_restart
         self._use(effective)
+        if self.fd_budget is not None and self.clients is not None:  # check() saw it fit; the clients' share follows
+            self.fd_budget = self.clients.budget = FdBudget.plan(effective, self.fd_budget.limit)
         if "log_level" in applied:
             set_log_level(effective.log_level)
         if "log_rate" in applied or "log_burst" in applied:

@@ -174,3 +174,21 @@ def test_a_config_change_keeps_restart_keys_as_they_run_and_says_which_applied(t
     assert change.touches("sandbox") and not change.touches("calls")
     unchanged = config_change(running, running)
     assert unchanged.config is running and unchanged.applied == unchanged.needs_restart == []
+
+
+def test_a_reload_whose_sandboxes_the_descriptor_limit_cannot_hold_is_refused(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream)
+
+    async def test(server: Server, configure: Any) -> None:
+        assert server.fd_budget is not None and server.clients is not None
+        limit, before = server.fd_budget.limit, server.config
+        too_many = (limit // server.fd_budget.per_sandbox) + 1  # start-up would refuse this many at this limit
+        assert await server.reload(lambda: configure(pool={"max_total": too_many})) is False
+        assert server.config is before
+        assert await server.reload(lambda: configure(pool={"max_total": 2})) is True  # fewer: the clients get more
+        assert server.clients.budget is server.fd_budget and server.fd_budget.sandboxes == 2 * server.fd_budget.per_sandbox
+
+    run(tmp_path, test)
+    failure = next(json.loads(line) for line in stream.getvalue().splitlines() if '"config_reload_failed"' in line)
+    assert "file descriptor limit" in failure["error"] and "pool.max_total" in failure["error"], failure
