@@ -177,6 +177,7 @@ class Daemon:
         leftovers = self.containers(api)
         for container in leftovers:
             api.api.remove_container(container["Id"], force=True)
+        shutil.rmtree(self.socket.parent, ignore_errors=True)  # its mkdtemp folder (the shims' sockets beside it)
         assert not leftovers, f"daemon left {len(leftovers)} containers behind:\n{self.log()}"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 40) -> int:
