@@ -23,7 +23,7 @@ from docker.types import LogConfig, Mount, Ulimit
 from bench.stats import summarize
 from bench.wire import AttachLines, attach
 from sandboxd.config import SandboxConfig
-from sandboxd.sandbox.docker_spec import sandbox_user
+from sandboxd.sandbox.docker.spec import sandbox_user
 
 ECHO_JS = (Path(__file__).resolve().parent / "echo.js").read_text()
 LABEL = "org.sandboxd.bench"

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from bench import daemon as d
 from bench.stats import summarize
-from sandboxd.sandbox.docker_runtime import runtime_problem
+from sandboxd.sandbox.docker.runtime import runtime_problem
 
 RUNTIMES = ("runc", "runsc")
 ROUNDS = 5

@@ -79,7 +79,7 @@ def choose_backend(requested: BackendName, config: Config) -> BackendChoice:
 
 def _usable_docker(config: Config) -> tuple[Backend | None, str]:
     """The Docker backend if the engine answers and has the runner image, else why not."""
-    from sandboxd.sandbox.docker_backend import DockerBackend
+    from sandboxd.sandbox.docker import DockerBackend
 
     backend = make_backend(config, "docker", instance=DEV_INSTANCE)
     assert isinstance(backend, DockerBackend)

@@ -17,7 +17,7 @@ def make_backend(config: Config, name: BackendName, *, instance: str, shim_dir: 
     Docker backend keeps the sandboxes' socket directories (None: a private temporary one)."""
     max_line = shim_line_bytes(config.calls)
     if name == "docker":
-        from sandboxd.sandbox.docker_backend import DockerBackend
+        from sandboxd.sandbox.docker import DockerBackend
 
         return DockerBackend(config.sandbox, instance=instance, max_line_bytes=max_line, shim_dir=shim_dir)
     if name == "process":

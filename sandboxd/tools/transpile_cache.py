@@ -84,7 +84,7 @@ class Esbuild:
 
 
 # In the runner image (images/node/Dockerfile): the shim's esbuild, and its binary for this machine
-# (copied out by the Docker backend, sandbox/docker_backend.py).
+# (copied out by the Docker backend, sandbox/docker/backend.py).
 IMAGE_ESBUILD_PACKAGE = "/opt/sandboxd/shim/node_modules/esbuild/package.json"
 IMAGE_ESBUILD_BINARY = "/opt/sandboxd/shim/node_modules/@esbuild/linux-{arch}/bin/esbuild"
 

@@ -74,7 +74,7 @@ def gvisor_registered() -> str | None:
     """Why the engine cannot run sandboxes under gVisor as sandboxd needs it, or None."""
     import docker
 
-    from sandboxd.sandbox.docker_runtime import runtime_problem
+    from sandboxd.sandbox.docker.runtime import runtime_problem
 
     return runtime_problem(docker.APIClient(version="auto").info(), "runsc", local=True)
 

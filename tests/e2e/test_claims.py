@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sandboxd.client import Client, RpcError
 from sandboxd.config import RUNNER_IMAGE
-from sandboxd.sandbox.docker_spec import LABEL_INSTANCE, LABEL_MANAGED, LABEL_USER
+from sandboxd.sandbox.docker.spec import LABEL_INSTANCE, LABEL_MANAGED, LABEL_USER
 
 from tests.e2e.conftest import REPO, Daemon
 from tests.e2e.hostile_harness import text_of, wait_until

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sandboxd.config import AUTO_SANDBOX_ID
-from sandboxd.sandbox.seccomp import sandbox_profile
+from sandboxd.sandbox.docker.seccomp import sandbox_profile
 
 from tests.e2e.conftest import GVISOR, Daemon
 

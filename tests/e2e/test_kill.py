@@ -3,7 +3,7 @@
 Seen before the fix (cgroup v1, this project's kind of machine): a fork bomb under a large
 pids limit (4096) and a quarter of a CPU ignored `docker kill` for minutes ("did not receive an
 exit event"): thousands of throttled processes never got the CPU time to die. The backend now
-lifts a condemned sandbox's CPU quota before the kill (docker_backend.py, _lift_cpu_quota).
+lifts a condemned sandbox's CPU quota before the kill (sandbox/docker/backend.py, _lift_cpu_quota).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandboxd.sandbox.docker_runtime import is_gvisor, runtime_problem
+from sandboxd.sandbox.docker.runtime import is_gvisor, runtime_problem
 
 GOOD = {"path": "/usr/bin/runsc", "runtimeArgs": ["--platform=ptrace", "--network=none", "--host-uds=open"]}
 

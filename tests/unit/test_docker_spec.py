@@ -10,8 +10,8 @@ import pytest
 
 from sandboxd.config import AUTO_SANDBOX_ID, SandboxConfig
 from sandboxd.sandbox.backend import SandboxSpec
-from sandboxd.sandbox.docker_attach import STDOUT, Frames, frame
-from sandboxd.sandbox.docker_spec import (
+from sandboxd.sandbox.docker.attach import STDOUT, Frames, frame
+from sandboxd.sandbox.docker.spec import (
     CONTAINER_SHIM_DIR,
     LABEL_DATA_PATH,
     LABEL_INSTANCE,
@@ -22,7 +22,7 @@ from sandboxd.sandbox.docker_spec import (
     esbuild_source_spec,
 )
 from sandboxd.sandbox.mounts import Bind
-from sandboxd.sandbox.seccomp import sandbox_profile
+from sandboxd.sandbox.docker.seccomp import sandbox_profile
 
 
 class _NoEgress:
@@ -148,7 +148,7 @@ def test_runc_sandboxes_get_sandboxd_s_seccomp_profile_and_gvisor_keeps_its_own(
 
 
 def test_only_a_gvisor_sandbox_joins_its_folders_groups(tmp_path: Path) -> None:
-    from sandboxd.sandbox.docker_spec import folder_groups
+    from sandboxd.sandbox.docker.spec import folder_groups
 
     binds = [Bind("/officer/user", "/data/a", read_only=False), Bind("/officer/tools", "/data/tools", read_only=True),
              Bind("/officer/data", "/mail/a", read_only=False)]

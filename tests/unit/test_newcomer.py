@@ -20,7 +20,7 @@ import requests.exceptions
 from sandboxd.config import Config, SandboxConfig, load_config
 from sandboxd.errors import BackendUnavailable, ConfigError
 from sandboxd.sandbox.backend import SandboxSpec
-from sandboxd.sandbox.docker_backend import DockerBackend, shim_dir_problem
+from sandboxd.sandbox.docker.backend import DockerBackend, shim_dir_problem
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server, instance_id
 

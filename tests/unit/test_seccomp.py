@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sandboxd.sandbox.seccomp import (BASE_PROFILE, DENIED_IOCTLS, DENIED_SYSCALLS, allowed_ioctl_patterns,
+from sandboxd.sandbox.docker.seccomp import (BASE_PROFILE, DENIED_IOCTLS, DENIED_SYSCALLS, allowed_ioctl_patterns,
                                       ioctl_denied, sandbox_profile)
 
 MASK64 = (1 << 64) - 1

@@ -15,8 +15,8 @@ import pytest
 from sandboxd.cli.main import main
 from sandboxd.config import BRIDGE_NETWORK, DEFAULT_NETWORK, UNSAFE_NAMES, Config, SandboxConfig, check_unsandboxed, load_config
 from sandboxd.errors import BackendUnavailable, ConfigError
-from sandboxd.sandbox.docker_backend import ICC_OPTION, DockerBackend
-from sandboxd.sandbox.docker_spec import LABEL_MANAGED
+from sandboxd.sandbox.docker.backend import ICC_OPTION, DockerBackend
+from sandboxd.sandbox.docker.spec import LABEL_MANAGED
 from sandboxd.unixsocket import bind_unix_socket, secure_directory
 
 NO_ACCOUNT_UID = next(uid for uid in range(2_000_000_001, 2_000_001_000) if uid not in {p.pw_uid for p in pwd.getpwall()})
@@ -274,8 +274,8 @@ def test_allow_unsafe_changes_live_with_the_sandbox_settings_it_accepts() -> Non
 def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -> None:
     import asyncio
 
-    from sandboxd.sandbox.docker_sockets import SandboxPeer, SandboxSockets
-    from sandboxd.sandbox.docker_spec import SHIM_SOCKET_NAME
+    from sandboxd.sandbox.docker.sockets import SandboxPeer, SandboxSockets
+    from sandboxd.sandbox.docker.spec import SHIM_SOCKET_NAME
 
     async def connect_to(listener: SandboxSockets) -> socket.socket:
         client = socket.socket(socket.AF_UNIX)
@@ -312,7 +312,7 @@ def test_a_shim_socket_serves_only_a_peer_with_the_sandbox_uid(tmp_path: Path) -
 
 
 def test_under_gvisor_the_peer_is_known_by_its_container_s_cgroup_and_under_runc_by_its_uid() -> None:
-    from sandboxd.sandbox.docker_sockets import SandboxPeer, in_container_cgroup
+    from sandboxd.sandbox.docker.sockets import SandboxPeer, in_container_cgroup
     from sandboxd.service.peercred import PeerCredentials
 
     with open("/proc/self/cgroup") as lines:
@@ -341,7 +341,7 @@ def test_under_gvisor_the_peer_is_known_by_its_container_s_cgroup_and_under_runc
     ({}, "the Docker engine did not say why"),
 ])
 def test_each_way_a_container_ends_gets_its_own_words(state: dict[str, Any], words: str) -> None:
-    from sandboxd.sandbox.docker_exits import exit_message
+    from sandboxd.sandbox.docker.exits import exit_message
 
     message = exit_message(state, "96m", "last line")
     assert words in message

@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from sandboxd.sandbox.docker_spec import esbuild_source_spec
+from sandboxd.sandbox.docker.spec import esbuild_source_spec
 from sandboxd.tools.transpile_cache import IMAGE_ESBUILD_BINARY, IMAGE_ESBUILD_PACKAGE, Esbuild
 
 _ARCHES = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}

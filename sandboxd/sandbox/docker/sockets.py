@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sandboxd.errors import BackendUnavailable
 from sandboxd.sandbox.backend import EgressSession
-from sandboxd.sandbox.docker_spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBACK_HOSTS, SHIM_SOCKET_NAME
+from sandboxd.sandbox.docker.spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBACK_HOSTS, SHIM_SOCKET_NAME
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 
@@ -72,7 +72,7 @@ class SandboxSockets:
         self._egress_session: EgressSession | None = None
         self._egress_accept: asyncio.Task[None] | None = None
         try:
-            (self.dir / HOSTS_NAME).write_text(LOOPBACK_HOSTS)  # mounted at /etc/hosts (docker_spec.py)
+            (self.dir / HOSTS_NAME).write_text(LOOPBACK_HOSTS)  # mounted at /etc/hosts (spec.py)
             os.chmod(self.dir / HOSTS_NAME, 0o644)
             self.sock = self._bind(SHIM_SOCKET_NAME, backlog=1)
             if egress:

@@ -13,7 +13,7 @@ vendored in moby/moby at b985e2313a86. This module derives sandboxd's profile fr
 - ``DENIED_SYSCALLS`` are allowed by no rule (not even behind a capability) and get
   EPERM explicitly (docs/security.md gives the reason for each).
 
-gVisor sandboxes keep runsc's own filters: the profile is for runc only (docker_spec.py).
+gVisor sandboxes keep runsc's own filters: the profile is for runc only (spec.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """One Docker sandbox as the pool sees it: its shim channel over two connections.
 
 - the shim protocol (``sandbox.transport: socket``, the default): the shim's one
-  connection to the sandbox's socket (docker_sockets.py). A call then goes daemon ↔ node
+  connection to the sandbox's socket (sockets.py). A call then goes daemon ↔ node
   directly, not through dockerd and containerd-shim (docs/performance.md). With
   ``transport: attach`` (a remote engine) the protocol runs over the container's
   stdin/stdout instead.
-- docker attach (docker_attach.py): stream 2 stderr = tool output; stream 1 stdout = the
+- docker attach (attach.py): stream 2 stderr = tool output; stream 1 stdout = the
   protocol in attach mode; its end is how the daemon learns that the container exited.
 """
 
@@ -15,9 +15,9 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from sandboxd.errors import SandboxFailed
-from sandboxd.sandbox.docker_attach import STDOUT, Frames, set_reading
-from sandboxd.sandbox.docker_exits import exit_message
-from sandboxd.sandbox.docker_sockets import SandboxSockets
+from sandboxd.sandbox.docker.attach import STDOUT, Frames, set_reading
+from sandboxd.sandbox.docker.exits import exit_message
+from sandboxd.sandbox.docker.sockets import SandboxSockets
 from sandboxd.sandbox.shim import ShimSandbox
 
 EXIT_WAIT_S = 5.0  # how long a sandbox whose shim hung up may take to exit

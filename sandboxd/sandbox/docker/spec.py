@@ -25,7 +25,7 @@ from sandboxd.sandbox.backend import (
     sandbox_env,
 )
 from sandboxd.sandbox.mounts import Bind
-from sandboxd.sandbox.seccomp import sandbox_profile
+from sandboxd.sandbox.docker.seccomp import sandbox_profile
 from sandboxd.tools.transpile_cache import CACHE_ENV
 
 LABEL_MANAGED = "org.sandboxd.managed"
@@ -101,7 +101,7 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         environment[CACHE_ENV] = CONTAINER_CACHE
     if shim_dir is not None:
         mounts.append(Mount(CONTAINER_SHIM_DIR, str(shim_dir), type="bind", read_only=True))
-        if config.network == "none":  # the socket directory holds it (docker_sockets.py)
+        if config.network == "none":  # the socket directory holds it (sockets.py)
             mounts.append(Mount("/etc/hosts", str(shim_dir / HOSTS_NAME), type="bind", read_only=True))
         environment["SANDBOXD_SHIM_SOCKET"] = f"{CONTAINER_SHIM_DIR}/{SHIM_SOCKET_NAME}"
         if spec.egress is not None:  # the shim routes fetch, http(s) and child processes through it
@@ -120,7 +120,7 @@ def container_spec(config: SandboxConfig, spec: SandboxSpec, *, instance: str, n
         mem_limit=config.memory,
         memswap_limit=config.memory,  # no swap: the limit is the limit
         # The CFS quota itself rather than nano_cpus (the same limit), because only a quota can be
-        # lifted on a running container: a condemned sandbox's is, before the kill (docker_backend.py).
+        # lifted on a running container: a condemned sandbox's is, before the kill (backend.py).
         cpu_period=CPU_PERIOD_US,
         cpu_quota=int(config.cpus * CPU_PERIOD_US),
         pids_limit=gvisor_pids_limit(config.pids_limit) if gvisor else config.pids_limit,

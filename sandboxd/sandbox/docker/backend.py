@@ -1,10 +1,10 @@
 """Docker backend: one hardened container per sandbox, its shim on a unix socket.
 
 The docker SDK is synchronous; its calls run in a small thread pool, and asyncio handles
-each sandbox's connections (docker_sandbox.py). One concern a file: the container a
-sandbox is made of (docker_spec.py, a pure function), its socket directory
-(docker_sockets.py), the attach stream's frames (docker_attach.py), the words that say why
-it ended (docker_exits.py); this module is what talks to the engine.
+each sandbox's connections (sandbox.py). One concern a file: the container a
+sandbox is made of (spec.py, a pure function), its socket directory
+(sockets.py), the attach stream's frames (attach.py), the words that say why
+it ended (exits.py); this module is what talks to the engine.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from sandboxd.config import BRIDGE_NETWORK, SandboxConfig
 from sandboxd.errors import BackendUnavailable, ConfigError, SandboxFailed
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import SandboxSpec, container_entry_path
-from sandboxd.sandbox.docker_attach import attach_socket, raw_socket
-from sandboxd.sandbox.docker_esbuild import extract_esbuild
-from sandboxd.sandbox.docker_runtime import is_gvisor, runtime_problem
-from sandboxd.sandbox.docker_sandbox import DockerSandbox
-from sandboxd.sandbox.docker_sockets import SandboxPeer, SandboxSockets
-from sandboxd.sandbox.docker_spec import (
+from sandboxd.sandbox.docker.attach import attach_socket, raw_socket
+from sandboxd.sandbox.docker.esbuild import extract_esbuild
+from sandboxd.sandbox.docker.runtime import is_gvisor, runtime_problem
+from sandboxd.sandbox.docker.sandbox import DockerSandbox
+from sandboxd.sandbox.docker.sockets import SandboxPeer, SandboxSockets
+from sandboxd.sandbox.docker.spec import (
     LABEL_INSTANCE,
     LABEL_MANAGED,
     LABEL_USER,
