@@ -28,7 +28,7 @@ from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallParams, CallRunner
 from sandboxd.tools.discovery import Tool
-from sandboxd.tools.transpile_cache import Esbuild
+from sandboxd.tools.esbuild import Esbuild
 from sandboxd.users import global_tools_dir
 
 BackendName = Literal["docker", "process"]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from sandboxd.egress.secrets import StandIns
     from sandboxd.service.peercred import PeerCredentials
     from sandboxd.tools.discovery import Tool
-    from sandboxd.tools.transpile_cache import Esbuild
+    from sandboxd.tools.esbuild import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
 

@@ -18,11 +18,9 @@ user's sandbox as before.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from pathlib import Path
 
 from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import CONTAINER_TOOLS
+from sandboxd.tools.esbuild import Esbuild
 
 log = get_logger("sandboxd.tools")
 
@@ -57,36 +56,6 @@ def key(esbuild_version: str, loader: str, filename: str, source: str) -> str:
     digest = hashlib.sha256(f"{KEY_PREFIX}\0{esbuild_version}\0{loader}\0{filename}\0".encode())
     digest.update(source.encode())
     return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class Esbuild:
-    binary: Path
-    version: str
-
-    def transpile(self, source: str, loader: str, filename: str) -> str | None:
-        """What the shim's transformSync would make of ``source``; None if esbuild warned or failed
-        (the shim then transpiles it itself, and says so in the call's log as before)."""
-        url = "file://" + filename  # a plain path: pathToFileURL() encodes nothing in it
-        args = [str(self.binary), f"--loader={loader}", "--format=cjs", "--platform=node", "--target=node20",
-                "--sourcemap=inline", "--sources-content=false", f"--sourcefile={filename}",
-                "--supported:dynamic-import=false", f"--define:import.meta.url={json.dumps(url)}",
-                f"--define:import.meta.filename={json.dumps(filename)}",
-                f"--define:import.meta.dirname={json.dumps(os.path.dirname(filename))}", "--log-level=warning"]
-        try:
-            done = subprocess.run(args, input=source.encode(), capture_output=True, timeout=30, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("transpile_cache_esbuild_failed", file=filename, error=str(exc))
-            return None
-        if done.returncode != 0 or done.stderr:
-            return None
-        return done.stdout.decode()
-
-
-# In the runner image (images/node/Dockerfile): the shim's esbuild, and its binary for this machine
-# (copied out by the Docker backend, sandbox/docker/backend.py).
-IMAGE_ESBUILD_PACKAGE = "/opt/sandboxd/shim/node_modules/esbuild/package.json"
-IMAGE_ESBUILD_BINARY = "/opt/sandboxd/shim/node_modules/@esbuild/linux-{arch}/bin/esbuild"
 
 
 def _sources(root: Path) -> list[Path]:

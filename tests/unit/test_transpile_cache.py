@@ -12,7 +12,8 @@ import pytest
 
 from sandboxd.tools import transpile_cache
 from sandboxd.tools.discovery import ToolCatalog
-from sandboxd.tools.transpile_cache import Esbuild, fill
+from sandboxd.tools.esbuild import Esbuild
+from sandboxd.tools.transpile_cache import fill
 
 SHIM = Path(__file__).resolve().parents[2] / "images" / "node" / "shim"
 ESBUILD_PACKAGE = SHIM / "node_modules" / "esbuild" / "package.json"

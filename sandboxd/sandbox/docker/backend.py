@@ -42,7 +42,7 @@ from sandboxd.sandbox.docker.spec import (
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.shim import SHIM_PROTOCOL
 from sandboxd.tools.discovery import Tool
-from sandboxd.tools.transpile_cache import Esbuild
+from sandboxd.tools.esbuild import Esbuild
 from sandboxd.unixsocket import secure_directory
 
 log = get_logger("sandboxd.docker")

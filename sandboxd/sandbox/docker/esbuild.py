@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from sandboxd.sandbox.docker.spec import esbuild_source_spec
-from sandboxd.tools.transpile_cache import IMAGE_ESBUILD_BINARY, IMAGE_ESBUILD_PACKAGE, Esbuild
+from sandboxd.tools.esbuild import Esbuild
 
+# In the runner image (images/node/Dockerfile): the shim's esbuild, and its binary for this machine.
+IMAGE_ESBUILD_PACKAGE = "/opt/sandboxd/shim/node_modules/esbuild/package.json"
+IMAGE_ESBUILD_BINARY = "/opt/sandboxd/shim/node_modules/@esbuild/linux-{arch}/bin/esbuild"
 _ARCHES = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}
 
 
