@@ -10,7 +10,7 @@ help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
 	@echo "make test    every test: types (mypy), unit, shim (node --test) and end-to-end against real Docker"
 	@echo "make typecheck  mypy over sandboxd/ (part of make test)"
-	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run)"
+	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run; BENCH_ARGS='--quick --only instructions': instructions per warm call, needs valgrind)"
 	@echo "make image   build the runner image (no registry needed)"
 	@echo "make gvisor  (as root) install gVisor's runsc and register it with the engine, for sandbox.runtime: runsc"
 	@echo "make test-gvisor  the end-to-end set again with every sandbox under gVisor (after make gvisor)"

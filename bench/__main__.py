@@ -3,6 +3,7 @@
     python -m bench            # the full run, about 2-3 minutes on 2 cores
     python -m bench --quick    # smaller samples, under a minute
     python -m bench --skip floors,throughput --profile bench-results/profile
+    python -m bench --quick --only instructions   # instructions per warm call (valgrind), fake and Docker
 
 Order: the floors first (bare echo containers, then removed), then one daemon
 for every daemon figure. Every container the run makes carries a label and is
@@ -25,6 +26,7 @@ import docker
 
 from bench import daemon as d
 from bench import floors as f
+from bench import instructions
 from bench import report
 from bench.daemon import REPO
 from bench.load import throughput
@@ -36,7 +38,9 @@ from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "instructions")
+# The sections measured on the main benchmark daemon: without any of them, it is not started.
+DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
 DENSITY_CALLERS = 8  # first calls in flight while filling (the daemon runs its Docker calls on 16 threads)
 BENCH_CONFIG = """\
@@ -56,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--density", default=None,
                    help="users each holding a warm sandbox, filled in turn (default 100,500; quick 50)")
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
+    p.add_argument("--only", default="", help="comma-separated sections to run, the rest left out (e.g. instructions)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="record the daemon with py-spy during the warm-latency run (needs `pip install py-spy`)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="where the JSON goes (default bench-results/)")
@@ -73,9 +78,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--clients takes numbers like 1,4,16, not {args.clients!r}")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = args.skip - set(SECTIONS)
-    if unknown:
-        p.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; the sections are {', '.join(SECTIONS)}")
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    for option, named in (("--skip", args.skip), ("--only", only)):
+        unknown = named - set(SECTIONS)
+        if unknown:
+            p.error(f"{option}: unknown section(s) {', '.join(sorted(unknown))}; the sections are {', '.join(SECTIONS)}")
+    if only:
+        args.skip |= set(SECTIONS) - only
     return args
 
 
@@ -303,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "floors" not in args.skip:
             results["floors"] = run_floors(api, cfg, run_id, args)
-        results["daemon"] = run_daemon(api, cfg, root / "docker", run_id, args)
+        if not set(DAEMON_SECTIONS) <= args.skip:
+            results["daemon"] = run_daemon(api, cfg, root / "docker", run_id, args)
         if "attach" not in args.skip:
             say("the same daemon over the attach transport (sandbox.transport: attach)")
             results["attach_transport"] = run_variant(
@@ -331,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")
+        if "instructions" not in args.skip:
+            results["instructions"] = instructions.per_call(
+                root / "instructions", run_id, args.image, calls=300 if args.quick else 1000, cpu_calls=args.calls,
+                docker=True, say=say)
     finally:
         for container in api.containers(all=True, filters={"label": f"{f.LABEL}={run_id}"}):
             api.remove_container(container["Id"], force=True)
@@ -340,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsandboxd benchmark — {report.machine_line(results['machine'])}; "
           f"{results['background_busy_pct']:.0f}% busy before the run\n")
     print(report.table(results))
-    if results["daemon"].get("throughput") or results.get("floors", {}).get("throughput"):
+    if results.get("daemon", {}).get("throughput") or results.get("floors", {}).get("throughput"):
         print("\nWhere the CPU went during the throughput windows:\n")
         print(report.cpu_table(results))
     print(f"\n{results['seconds']:.0f} s in all; JSON: {path}")

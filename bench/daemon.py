@@ -39,8 +39,11 @@ export async function execute(_toolCallId: string, params: Params) {{
 
 
 class BenchDaemon:
-    def __init__(self, root: Path, config_yaml: str, *, fresh_tools: int) -> None:
+    def __init__(self, root: Path, config_yaml: str, *, fresh_tools: int, command_prefix: list[str] | None = None,
+                 environ: dict[str, str] | None = None) -> None:
         self.root = root
+        self.command_prefix = command_prefix or []  # e.g. valgrind's, to count the daemon's instructions
+        self.environ = environ or {}  # added to the daemon's environment
         root.mkdir(parents=True, exist_ok=True)
         self.data = root / "data"
         self.socket = Path(tempfile.mkdtemp(prefix="sbd-bench-")) / "sandboxd.sock"  # ≤ 108 bytes
@@ -64,11 +67,11 @@ class BenchDaemon:
         return self.proc.pid
 
     def start(self, timeout: float = 60) -> None:
-        env = {**os.environ, "SANDBOXD_SANDBOX_NETWORK": "none"}
+        env = {**os.environ, "SANDBOXD_SANDBOX_NETWORK": "none", **self.environ}
         env.pop("SANDBOXD_CONFIG", None)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sandboxd", "serve", "--config", str(self.config_path),
+                [*self.command_prefix, sys.executable, "-m", "sandboxd", "serve", "--config", str(self.config_path),
                  "--data-path", str(self.data), "--socket", str(self.socket),
                  "--seed-tools", str(REPO / "seed" / "tools")],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,

@@ -220,6 +220,27 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         tp = over["throughput"]
         out.append((f"sandboxd alone (fake backend): throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"daemon CPU {tp['cpu']['daemon_cpu_us_per_call']:.0f} µs/call", "", "", "—"))
+    out += _instruction_rows(r.get("instructions", {}))
+    return out
+
+
+# Daemon CPU per warm call the project aims at (issue 37), by backend.
+_CPU_TARGET_US = {"fake": 50, "docker": 100}
+
+
+def _instruction_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """Instructions per warm call (callgrind: steady on a busy machine) beside the same calls' CPU µs."""
+    if "skipped" in r:
+        return [("instructions per warm call", "skipped", r["skipped"], "", "", "—")]
+    out = []
+    for path, what in (("fake", "fake backend: the daemon alone"), ("docker", "Docker: through a warm sandbox")):
+        row = r.get(path)
+        if row is None:
+            continue
+        target = _CPU_TARGET_US[path]
+        cpu = row["daemon_cpu_us_per_call"]
+        out.append((f"daemon instructions per warm call ({what})", f"{row['instructions_per_call'] / 1000:,.0f}k",
+                    f"daemon CPU {cpu:.0f} µs/call", "", f"CPU ≤ {target} µs", _check(cpu <= target)))
     return out
 
 
