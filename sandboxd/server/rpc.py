@@ -56,12 +56,17 @@ class Later(NamedTuple):
 Method = Callable[[Any, Any], Union[Result, Later]]  # (request id, params)
 
 
+# Made once: json.dumps with any option builds a new encoder per call (every message out).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    data = _ENCODER.encode(message)
     try:
         return data.encode() + b"\n"
     except UnicodeEncodeError:  # lone surrogates from a tool's output: escape them
-        return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        return _ASCII_ENCODER.encode(message).encode() + b"\n"
 
 
 def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -90,8 +90,8 @@ def validate_arguments(schema: dict[str, Any], arguments: object, *, tool: str |
                 violations.append(Violation(name, f"{_quote(name)} is required ({_expected(prop)})"))
             continue
         coerced = coerce(value, prop["type"])
-        shown = f"a {_json_type(value)}" if name in secret else _show(value)
-        if coerced is _INVALID:
+        if coerced is _INVALID:  # the value is shown only here: encoding it on every call cost as much as the check
+            shown = f"a {_json_type(value)}" if name in secret else _show(value)
             violations.append(Violation(name, f"{_quote(name)} must be {_a(prop['type'])}, got {shown}"))
         elif "enum" in prop and coerced not in prop["enum"]:
             shown = "another value" if name in secret else _show(coerced)
