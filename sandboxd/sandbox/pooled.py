@@ -43,6 +43,10 @@ class PooledSandbox:
     removed: bool = False  # the backend has removed it (or gave up and listed it for removal)
 
     @property
+    def alive(self) -> bool:
+        return self.sandbox is not None and self.sandbox.alive
+
+    @property
     def held_now(self) -> bool:
         """Busy or starting once its recorded events are settled (cases 1 and 2 of ``Pool._plan``)."""
         if self.state is BUSY:

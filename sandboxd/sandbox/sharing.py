@@ -17,7 +17,7 @@ take the last ``pool.reserve`` slots (the ceiling). No running call is ever stop
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from sandboxd.config import PoolConfig
@@ -61,6 +61,13 @@ class Counts:
     held_total: int  # sandboxes held for calls, in all (for the ceiling)
     stopping: int  # sandboxes being destroyed: each frees a slot once the engine has removed it
 
+    def hold(self, user: str, *, starting: bool = False) -> None:
+        """Count a sandbox of ``user``'s held for a call: busy, or starting for one."""
+        bump(self.held, user)
+        self.held_total += 1
+        if starting:
+            bump(self.starting, user)
+
     def started(self, user: str) -> str:
         """Count a start decided for ``user``; returns ``user``."""
         bump(self.owned, user)
@@ -80,23 +87,27 @@ class Limits:
     ceiling: int  # max_total less the reserve: calls beyond a user's first stop here
 
 
-@dataclass
 class _Turns:
-    """The turns' own copy of the counts, kept current as they decide."""
+    """The turns' own copy of what they change (the waiting users' counts, the idle sandboxes),
+    kept current as they decide."""
 
-    queues: Mapping[str, Sequence[Waiter]]
-    idle_of: dict[str, list[PooledSandbox]]
-    arrival: Mapping[Waiter, int]
-    counts: Counts
-    limits: Limits
-    served: dict[str, int] = field(default_factory=dict)  # callers handed a sandbox, per user
-    covered: dict[str, int] = field(default_factory=dict)  # callers a start or claimed room will serve
-    claimed: dict[str, int] = field(default_factory=dict)  # room on its way or evicted for them
+    __slots__ = ("queues", "idle_of", "arrival", "counts", "limits", "served", "covered", "claimed")
+
+    def __init__(self, queues: Mapping[str, Sequence[Waiter]], idle_of: Mapping[str, Sequence[PooledSandbox]],
+                 arrival: Mapping[Waiter, int], counts: Counts, limits: Limits) -> None:
+        self.queues, self.arrival, self.limits = queues, arrival, limits
+        self.idle_of = {user: list(idle) for user, idle in idle_of.items() if idle}
+        self.counts = Counts({user: counts.held.get(user, 0) for user in queues}, {},
+                             {user: counts.owned.get(user, 0) for user in queues},
+                             counts.total, counts.held_total, counts.stopping)
+        self.served = dict.fromkeys(queues, 0)  # callers handed a sandbox, per user
+        self.covered = {user: counts.starting.get(user, 0) for user in queues}  # callers a start or claimed room will serve
+        self.claimed = dict.fromkeys(queues, 0)  # room on its way or evicted for them
 
     def key(self, user: str) -> tuple[int, int, int, str]:
         """Whose turn: fewest held, then one with an idle sandbox of its own, then the longest waiting."""
         first = self.queues[user][self.served[user]]
-        return self.counts.held.get(user, 0), 0 if self.idle_of.get(user) else 1, self.arrival[first], user
+        return self.counts.held[user], 0 if self.idle_of.get(user) else 1, self.arrival.get(first, 0), user
 
     def left(self, user: str) -> int:
         return len(self.queues[user]) - self.served[user]
@@ -108,7 +119,7 @@ class _Turns:
     def take(self, user: str) -> Decision | bool:
         """One turn of ``user``: a decision, True (room on its way claimed), or False (they wait)."""
         counts = self.counts
-        if counts.held.get(user, 0) and counts.held_total >= self.limits.ceiling:
+        if held_back(counts.held[user], counts.held_total, self.limits.ceiling):
             return False  # the reserve is for first calls: this user waits for a release
         idle = self.idle_of.get(user)
         if idle:
@@ -117,7 +128,7 @@ class _Turns:
             return Hand(waiter, idle.pop(0))
         if self.left(user) <= self.covered[user]:
             return False  # every caller of theirs left is covered by a start
-        if counts.owned.get(user, 0) + self.claimed[user] >= self.limits.max_per_user:
+        if counts.owned[user] + self.claimed[user] >= self.limits.max_per_user:
             return False  # at their own limit: their callers wait for their own releases
         made = self.room(user)
         if made is not False:
@@ -141,16 +152,18 @@ class _Turns:
         return Evict(victim, user)
 
 
+def held_back(held: int, held_total: int, ceiling: int) -> bool:
+    """The reserve: a user already holding ``held`` sandboxes waits while the pool holds its ceiling."""
+    return held > 0 and held_total >= ceiling
+
+
 def serve_fairly(queues: Mapping[str, Sequence[Waiter]], idle_of: Mapping[str, Sequence[PooledSandbox]],
                  arrival: Mapping[Waiter, int], counts: Counts, limits: Limits) -> list[Decision]:
     """The decisions that serve ``queues`` (each waiting user's callers, in arrival order) in fair
     turns, from ``idle_of`` (each user's idle sandboxes, in pool order). ``arrival``: each waiter's
-    place in the pool's queue. Nothing given is changed: the turns count on copies."""
-    turns = _Turns(queues, {user: list(idle) for user, idle in idle_of.items()}, arrival,
-                   Counts(dict(counts.held), dict(counts.starting), dict(counts.owned), counts.total,
-                          counts.held_total, counts.stopping), limits,
-                   served=dict.fromkeys(queues, 0), covered={user: counts.starting.get(user, 0) for user in queues},
-                   claimed=dict.fromkeys(queues, 0))
+    place in the pool's queue (needed only when more than one user waits). Nothing given is
+    changed: the turns count on copies."""
+    turns = _Turns(queues, idle_of, arrival, counts, limits)
     decisions: list[Decision] = []
     heap = [turns.key(user) for user in queues if queues[user]]
     heapq.heapify(heap)
