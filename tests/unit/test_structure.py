@@ -26,7 +26,6 @@ COMPLEXITY_ALLOWED: dict[str, int] = {
 MAX_LINES = 500
 # issue 37: to split (owned by other engineers; the lead shrinks this). {path: its line count now, at most}
 LINES_ALLOWED: dict[str, int] = {
-    "sandboxd/config.py": 741,
     "sandboxd/egress/proxy.py": 719,
     "sandboxd/server/server.py": 507,
     "sandboxd/tools/discovery.py": 578,
