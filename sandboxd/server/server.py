@@ -6,7 +6,6 @@ Shutdown is a fixed order with a bounded wait (see ``shutdown``).
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import functools
 import hashlib
 import os
@@ -25,6 +24,7 @@ from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
 from sandboxd.server.connection import Connection, RefusedPeers
+from sandboxd.server.data_path import check_data_path_mount, lock_data_path
 from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Later, Method
 from sandboxd.server.watch import ToolWatch
@@ -43,15 +43,14 @@ log = get_logger("sandboxd.server")
 
 MAINTENANCE_INTERVAL_S = 1.0
 ACCEPTS_PER_TURN = 16  # clients accepted before the loop's other work gets a turn
-DATA_PATH_LOCK = ".sandboxd.lock"
 
 
 def instance_id(config: Config) -> str:
     """Names this daemon's containers, so a restart finds its own orphans and only those.
 
     A hash of the data path alone: a data path belongs to one daemon (it holds the path's
-    lock), so a restart with another socket still finds what the last run left, and a
-    daemon on another data path never touches them."""
+    lock: server/data_path.py), so a restart with another socket still finds what the last
+    run left, and a daemon on another data path never touches them."""
     return hashlib.sha256(str(config.data_path.resolve()).encode()).hexdigest()[:12]
 
 
@@ -82,7 +81,7 @@ class Server:
         self._orphans_removed = False
         self._orphan_warning_logged = False
         self.orphans_reaped = 0
-        self._data_lock: int | None = None  # the fd holding DATA_PATH_LOCK
+        self._data_lock: int | None = None  # the fd holding the data path's lock (server/data_path.py)
         self.peer_policy = PeerPolicy.from_config(config)
         # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
         self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
@@ -103,14 +102,14 @@ class Server:
         cfg = self.config
         self._plan_fds()  # first: a configuration the limit cannot hold stops start-up before it touches anything
         global_tools_dir(cfg.data_path).mkdir(parents=True, exist_ok=True)
-        self._lock_data_path()  # before the orphans: a second daemon here would take the first's sandboxes for them
+        self._data_lock = lock_data_path(cfg.data_path)  # before the orphans: a second daemon here would take the first's sandboxes for them
         if cfg.seed_tools is not None:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self.check(cfg)  # a rootless or remote engine: one line now, not an error per call
         await self._remove_orphans()
         self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
-        self._check_data_path_mount()
+        check_data_path_mount(cfg.data_path)
         await asyncio.to_thread(self.storage.resolve)  # `enforcement: hard` that cannot be had stops start-up here
         await self.storage.start()
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
@@ -199,40 +198,6 @@ class Server:
             return
         if esbuild is not None:
             self.transpile_cache.start(esbuild)
-
-    def _lock_data_path(self) -> None:
-        """Hold DATA_PATH/.sandboxd.lock for the daemon's life (the kernel drops it when the
-        process dies): sandboxes are labelled by the data path alone (``instance_id``)."""
-        path = self.config.data_path / DATA_PATH_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise ConfigError(
-                f"another sandboxd (pid {holder}) serves the data path {self.config.data_path}: a data path belongs "
-                "to one daemon. Stop that one, or give this one another --data-path."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._data_lock = fd
-
-    def _check_data_path_mount(self) -> None:
-        """Say so when the data path allows setuid files and device nodes.
-
-        Sandboxes can write DATA_PATH/<user>, and Docker cannot mount a bind nosuid,nodev:
-        its mount in the sandbox has the flags of the filesystem it lies on. Inside, no new
-        privileges and no capabilities make a setuid file or a device node inert anyway; on
-        the host, a setuid file a tool leaves is its uid's, which has no account. A data path
-        on a nosuid,nodev mount (docs/install.md) makes both inert everywhere.
-        """
-        path = self.config.data_path
-        flags = os.statvfs(path).f_flag
-        missing = [name for name, bit in (("nosuid", os.ST_NOSUID), ("nodev", os.ST_NODEV)) if not flags & bit]
-        if missing:
-            log.warning("data_path_allows_setuid", data_path=str(path), missing=missing,
-                        hint="mount the data path nosuid,nodev (docs/install.md, 'The sandbox uid')")
 
     def _bind_socket(self) -> socket.socket:
         return bind_unix_socket(
