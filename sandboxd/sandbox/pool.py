@@ -307,7 +307,7 @@ class Pool:
         the counts, idle sandboxes and queues that case 7 reads."""
         if user is not None:
             self._count_elsewhere(user, counts, sum(map(len, queues.values())))
-            if self._own_idle(user, queues[user], idle_of, counts, plan):
+            if self._own_idle(user, queues.get(user, []), idle_of, counts, plan):
                 return
         limits = Limits(self.config.max_per_user, self.config.max_total, self._ceiling())
         arrival = {waiter: i for i, waiter in enumerate(self._waiters)} if len(queues) > 1 else {}
