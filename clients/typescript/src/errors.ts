@@ -12,6 +12,7 @@ export const ErrorCode = {
   Overloaded: -32001,
   BackendUnavailable: -32002,
   PeerRefused: -32003,
+  QuotaExceeded: -32004,
   InternalError: -32603,
 } as const;
 
@@ -54,6 +55,8 @@ export class OverloadedError extends RpcError {
 export class BackendUnavailableError extends RpcError {}
 /** -32003: the daemon refuses this process's uid/groups (allowed_uids / allowed_gids). */
 export class PeerRefusedError extends RpcError {}
+/** -32004: the user's folders are over their disk quota; `data` has the usage and limits. Served again once they hold less. */
+export class QuotaExceededError extends RpcError {}
 /** -32603: a bug in the daemon; its log has the details. */
 export class InternalError extends RpcError {}
 
@@ -113,6 +116,8 @@ export function errorFromRpc(error: { code?: unknown; message?: unknown; data?: 
       return new BackendUnavailableError(code, message, error.data);
     case ErrorCode.PeerRefused:
       return new PeerRefusedError(code, message, error.data);
+    case ErrorCode.QuotaExceeded:
+      return new QuotaExceededError(code, message, error.data);
     case ErrorCode.InternalError:
       return new InternalError(code, message, error.data);
     default:

@@ -18,6 +18,7 @@ import {
   InvalidParamsError,
   OverloadedError,
   PeerRefusedError,
+  QuotaExceededError,
   resolveSocketPath,
   SandboxdClient,
   SandboxdError,
@@ -89,19 +90,20 @@ test("lines split anywhere, even inside a UTF-8 character, with \\r\\n and answe
 });
 
 test("error codes become typed errors; overloaded is retryable", async () => {
-  const codes = { 1: -32602, 2: -32001, 3: -32002, 4: -32603, 5: -32003 };
+  const codes = { 1: -32602, 2: -32001, 3: -32002, 4: -32603, 5: -32003, 6: -32004 };
   const server = await scripted((message, socket) =>
     reply(socket, { id: message.id, error: { code: codes[message.id], message: `failure ${message.id}`, data: { n: message.id } } }));
   const client = new SandboxdClient({ socketPath: server.path });
-  const outcomes = await Promise.allSettled([1, 2, 3, 4, 5].map(() => client.request("ping")));
+  const outcomes = await Promise.allSettled([1, 2, 3, 4, 5, 6].map(() => client.request("ping")));
   const errors = outcomes.map((o) => o.reason);
   assert.ok(errors[0] instanceof InvalidParamsError);
   assert.ok(errors[1] instanceof OverloadedError);
   assert.ok(errors[2] instanceof BackendUnavailableError);
   assert.ok(errors[3] instanceof InternalError);
   assert.ok(errors[4] instanceof PeerRefusedError);
-  assert.deepEqual(errors.map((e) => e.code), [-32602, -32001, -32002, -32603, -32003]);
-  assert.deepEqual(errors.map((e) => e.retryable), [false, true, false, false, false]);
+  assert.ok(errors[5] instanceof QuotaExceededError);
+  assert.deepEqual(errors.map((e) => e.code), [-32602, -32001, -32002, -32603, -32003, -32004]);
+  assert.deepEqual(errors.map((e) => e.retryable), [false, true, false, false, false, false]);
   assert.equal(errors[0].message, "failure 1");
   assert.deepEqual(errors[0].data, { n: 1 });
   assert.ok(errors.every((e) => e instanceof SandboxdError));
