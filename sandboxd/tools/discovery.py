@@ -3,10 +3,10 @@
 Every listing looks at the disk again, so a tool that is added, edited or
 removed is seen at once without a restart; parsed manifests are cached by the
 identity of their TOOL.md (path, mtime, size, inode), so listing an unchanged
-tree re-parses nothing. Every tools/call looks its tool up this way, so a root
-whose fingerprint (a stat of the root, of each entry in it, of its TOOL.md and
-entry file) is unchanged answers from the last scan: a few stat calls instead of
-a walk with realpath checks (docs/performance.md).
+tree re-parses nothing. Every tools/call looks its tool up this way: a root no
+inotify event touched since its scan (inotify.py), or else whose fingerprint (a stat
+of the root, of each entry in it, of its TOOL.md and entry file) is unchanged,
+answers from the last scan, instead of a walk with realpath checks (docs/performance.md).
 
 Sandboxes mount only the tools roots, and the daemon reads TOOL.md on the host:
 a tool directory, TOOL.md or entry file that resolves outside its root is
@@ -16,7 +16,7 @@ is refused as a whole (a sandbox can write DATA_PATH/<user>/).
 A user's tools root is hostile input. The daemon never scans on its event loop:
 list_async/refresh run scans in a small worker pool (one scan per root at a time,
 per-root locks, so one user's root never holds up another's), and lookup() answers
-a tools/call from the last scan with a few stat calls when it still holds. A scan
+a tools/call from the last scan, with one read of the inotify queue or a few stat calls. A scan
 is bounded: MAX_ENTRIES_PER_ROOT entries, MAX_ROOT_MANIFEST_BYTES of TOOL.md,
 ROOT_SCAN_TIME_LIMIT_S; a tools/list answer holds at most MAX_LIST_BYTES. What is
 over a bound is skipped with a Problem, never silently.
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.logging import get_logger
+from sandboxd.tools.inotify import RootWatcher
 from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from sandboxd.tools.problem import Problem
 from sandboxd.tools.schema import input_schema
@@ -299,6 +300,8 @@ class ToolCatalog:
         self._roots_by_user: dict[str | None, list[tuple[Path, Source]]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: dict[Path, asyncio.Future[_Snapshot]] = {}  # used on the event loop only
+        # Tells lookup() which roots changed since their scan without stat calls; None: stat them.
+        self._watcher = RootWatcher.create((MANIFEST_FILE, *ENTRY_FILES))
 
     # -- synchronous: scans on the calling thread ---------------------------------------------
 
@@ -369,6 +372,9 @@ class ToolCatalog:
         return _Fingerprint.take(str(root), self._root_entries(root, source)[0])
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -418,6 +424,8 @@ class ToolCatalog:
             return snapshot
         if snapshot.racy:
             return None
+        if wanted is not None and self._watcher is not None and self._watcher.unchanged(root):
+            return snapshot  # watched since its scan and no event touched it; else the stat checks decide
         now = time.monotonic()
         if wanted is not None and now - snapshot.verified_at < _FULL_CHECK_INTERVAL_S:
             return snapshot if snapshot.holds_for(root, wanted) else None
@@ -443,6 +451,8 @@ class ToolCatalog:
             # The fingerprint is taken before the scan: a change made during it shows at the next listing.
             scanned_at, scanned_at_ns = time.monotonic(), time.time_ns()
             names, problems = self._root_entries(root, source)
+            if self._watcher is not None:
+                self._arm(root, source, names)
             fingerprint = _Fingerprint.take(str(root), names)
             tools, skipped, complete = self._scan_root_fully(root, source, names)
             if problems:
@@ -460,11 +470,20 @@ class ToolCatalog:
                 self._forget_empty_roots(keep=root)
             return snapshot
 
+    def _arm(self, root: Path, source: Source, names: list[str]) -> None:
+        """Watch what this scan reads before it reads it; listed again, so an entry added meanwhile is not missed."""
+        assert self._watcher is not None
+        if self._watcher.arm(root, [root / name for name in names if (root / name).is_dir()], stop_at=self.data_path) \
+                and self._root_entries(root, source)[0] != names:
+            self._watcher.forget(root)
+
     def _forget_empty_roots(self, keep: Path) -> None:
         """A client naming endless users (each a root without tools) must not grow the caches forever."""
         for root in [root for root, snapshot in self._snapshots.items()
                      if root != keep and not snapshot.tools and not snapshot.skipped]:
             self._snapshots.pop(root, None)
+            if self._watcher is not None:
+                self._watcher.forget(root)
             with self._locks_lock:
                 self._root_locks.pop(root, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -465,6 +466,8 @@ def test_get_sees_its_own_tool_change_at_once(data: Path, scan_count: list[Path]
 
 def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_count: list[Path],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where inotify cannot watch a root, or is not available: the stat checks.
+    monkeypatch.setattr(discovery.RootWatcher, "create", lambda files: None)
     write_tool(global_root(data), "a")
     write_tool(global_root(data), "b")
     catalog = ToolCatalog(data)
@@ -480,6 +483,99 @@ def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_co
     manifest.write_text(manifest.read_text().replace("name: b", "name: a"))
     monkeypatch.setattr(discovery, "_FULL_CHECK_INTERVAL_S", 0.0)
     assert catalog.get("a", USER).dir.name == "b"
+
+
+# --- tool freshness from inotify: no stat call on a watched root ------------------------------
+
+
+@pytest.fixture
+def stat_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths the stat checks look at (none while inotify vouches for a root); no racy window."""
+    no_racy_window(monkeypatch)
+    stats: list[str] = []
+    real = discovery._stat_key
+    monkeypatch.setattr(discovery, "_stat_key", lambda path: (stats.append(path), real(path))[1])
+    return stats
+
+
+def lookup(catalog: ToolCatalog, name: str) -> Tool | None:
+    return catalog.lookup(name, USER, since=time.monotonic())
+
+
+@pytest.mark.parametrize("change", ["edit_in_place", "replaced_by_rename", "entry_removed", "renamed_in_place",
+                                    "new_user_tool", "mode_changed"])
+def test_a_watched_tool_is_looked_up_without_stat_calls_and_every_change_is_seen_at_the_next_lookup(
+        data: Path, stat_calls: list[str], change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tool_dir = write_tool(global_root(data), "a")
+    write_tool(global_root(data), "b")
+    catalog = ToolCatalog(data)
+    catalog.tools(USER)  # scanned: the global root and its tools are watched, the missing user root's ancestor too
+    stat_calls.clear()
+    for _ in range(10):
+        assert lookup(catalog, "a").name == "a"
+    assert stat_calls == []
+    manifest = tool_dir / "TOOL.md"
+    if change == "edit_in_place":  # same inode, same size: a stat sees only the timestamps move
+        with manifest.open("r+") as file:
+            file.write(manifest.read_text().replace("version: 1", "version: 2"))
+    elif change == "replaced_by_rename":  # how editors save
+        (tool_dir / "TOOL.md.new").write_text(manifest.read_text().replace("version: 1", "version: 3"))
+        (tool_dir / "TOOL.md.new").rename(manifest)
+    elif change == "entry_removed":
+        (tool_dir / "index.ts").unlink()
+    elif change == "renamed_in_place":  # another tool takes the name (the last directory wins): the stat
+        other = global_root(data) / "b" / "TOOL.md"  # checks decide once an event came, the full one included
+        other.write_text(other.read_text().replace("name: b", "name: a"))
+        monkeypatch.setattr(discovery, "_FULL_CHECK_INTERVAL_S", 0.0)
+    elif change == "new_user_tool":
+        write_tool(user_root(data), "a", description="Mine.")
+    elif change == "mode_changed":
+        (tool_dir / "index.ts").chmod(0o600)
+    with pytest.raises(discovery.ScanNeeded):  # no stale answer: the next call scans first
+        lookup(catalog, "a")
+    expected = {"edit_in_place": lambda t: t.manifest.version == 2, "replaced_by_rename": lambda t: t.manifest.version == 3,
+                "entry_removed": lambda t: t is None, "renamed_in_place": lambda t: t.dir.name == "b",
+                "new_user_tool": lambda t: t.source == "user", "mode_changed": lambda t: t.name == "a"}
+    assert expected[change](catalog.get("a", USER))
+    catalog.close()
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_tool_whose_files_are_linked_is_stat_checked_since_inotify_misses_edits_through_the_link(
+        data: Path, stat_calls: list[str], tmp_path: Path, link: str) -> None:
+    tool_dir = write_tool(global_root(data), "a", entry=None)
+    target = global_root(data) / "lib.ts" if link == "symlink" else tmp_path / "elsewhere.ts"
+    target.write_text("export async function execute() { return { content: [] }; }\n")
+    if link == "symlink":
+        (tool_dir / "index.ts").symlink_to("../lib.ts")
+    else:
+        os.link(target, tool_dir / "index.ts")
+    catalog = ToolCatalog(data)
+    catalog.tools(USER)
+    stat_calls.clear()
+    assert lookup(catalog, "a").name == "a"
+    assert any(path.endswith("/a/index.ts") for path in stat_calls)
+    target.write_text("export async function execute() { return { content: [{ type: 'text', text: 'new' }] }; }\n")
+    with pytest.raises(discovery.ScanNeeded):  # the edit through the other path is seen all the same
+        lookup(catalog, "a")
+    catalog.close()
+
+
+def test_a_user_tools_root_made_after_the_scan_is_seen_at_the_next_lookup(data: Path, stat_calls: list[str]) -> None:
+    write_tool(global_root(data), "a")
+    catalog = ToolCatalog(data)
+    catalog.tools(USER)  # the user has no folder yet: the data path is watched for it
+    stat_calls.clear()
+    assert lookup(catalog, "a").source == "global" and stat_calls == []
+    write_tool(user_root(data), "a", description="Mine.")
+    with pytest.raises(discovery.ScanNeeded):
+        lookup(catalog, "a")
+    catalog.tools(USER)
+    assert lookup(catalog, "a").source == "user"
+    (user_root(data) / "a" / "index.ts").unlink()  # the new root is watched in its turn
+    with pytest.raises(discovery.ScanNeeded):
+        lookup(catalog, "a")
+    catalog.close()
 
 
 # --- a hostile user tools root ----------------------------------------------------------------
