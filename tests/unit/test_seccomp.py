@@ -1,4 +1,4 @@
-"""sandboxd's seccomp profile (sandbox/seccomp.py), read as runc will apply it: rules of a syscall are alternatives."""
+"""sandboxd's seccomp profile (sandbox/docker/seccomp.py), read as runc will apply it: rules of a syscall are alternatives."""
 
 from __future__ import annotations
 
