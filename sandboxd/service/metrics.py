@@ -153,14 +153,19 @@ class Metrics:
                                       ["tool"], buckets=CALL_SECONDS_BUCKETS, registry=self.registry)
         self.queue_seconds = Histogram("sandboxd_queue_wait_seconds", "Time a call waited for a sandbox.",
                                        buckets=QUEUE_SECONDS_BUCKETS, registry=self.registry)
+        # (tool, status) → its counter and histogram children: labels() validates and locks at every call.
+        self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self.registry.register(_ServerCollector(daemon))
         ProcessCollector(registry=self.registry)
         self._listener: asyncio.AbstractServer | None = None
         self._socket_path: Path | None = None
 
     def observe_call(self, tool: str, status: str, duration_s: float, queue_wait_s: float | None) -> None:
-        self.calls.labels(tool, status).inc()
-        self.call_seconds.labels(tool).observe(duration_s)
+        children = self._children.get((tool, status))
+        if children is None:  # tools are the catalog's (a call to an unknown one is refused first), statuses few
+            children = self._children[(tool, status)] = (self.calls.labels(tool, status), self.call_seconds.labels(tool))
+        children[0].inc()
+        children[1].observe(duration_s)
         if queue_wait_s is not None:
             self.queue_seconds.observe(queue_wait_s)
 
