@@ -22,6 +22,7 @@ running out after a cancel; no extra task is created on this hot path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import itertools
@@ -53,6 +54,8 @@ log = get_logger("sandboxd.calls")
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
                                              QuotaExceeded: "over_quota"}
+# A call without env or sensitive arguments registers nothing to mask in its log lines.
+_NO_SECRETS: contextlib.nullcontext[frozenset[str]] = contextlib.nullcontext(frozenset())
 # What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
 _DISK_FULL = re.compile(r"EDQUOT|ENOSPC|[Dd]isk quota exceeded|[Nn]o space left on device")
 
@@ -311,7 +314,8 @@ class CallRunner:
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
         try:
             # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
-            with secret_values(call.secrets()) as masked:
+            values = call.secrets()
+            with secret_values(values) if values else _NO_SECRETS as masked:
                 if ctx.cancel_reason is not None:  # cancelled before it got here
                     outcome = _not_started(ctx, started)
                 else:
@@ -365,7 +369,8 @@ class CallRunner:
             tool=call.tool.name,
             secrets=secrets,
             stand_ins=stand_ins,
-            browser_relay=relay_for_call(self.config.integrations.relay, call.env),
+            # Only a call whose env names the relay's port gets one (relay_for_call): most have no env.
+            browser_relay=relay_for_call(self.config.integrations.relay, call.env) if call.env else None,
         )
 
     async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, call: CallParams, ctx: CallContext,
@@ -454,8 +459,8 @@ class Calls:
         try:
             call: CallParams | None = self._check(params, arrived)
         except ScanNeeded:
-            # The tools changed since the last scan (the warm path is a few stat calls, here): the
-            # call is checked after one, in flight from now, so that a cancel or a disconnect finds it.
+            # The tools changed since the last scan (the warm path is one inotify read, here): the
+            # call is checked after a new scan, in flight from now, so that a cancel or a disconnect finds it.
             call = None
         assert isinstance(params, dict)  # the check refused anything else
         meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
