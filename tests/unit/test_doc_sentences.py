@@ -27,7 +27,7 @@ LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
 LINK = re.compile(r"!?\[([^\]\n]*)\]\([^)\n]*\)")
 CODE = re.compile(r"`([^`\n]*)`")
 HTML = re.compile(r"<!--.*?-->|</?[a-zA-Z][^>\n]*>", re.S)
-ABBREVIATIONS = ("e.g.", "i.e.", "vs.", "cf.", "etc.", "approx.", "no.", "Fig.")
+ABBREVIATIONS = {"e.g.", "i.e.", "vs.", "cf."}  # a dot that ends no sentence (etc. often does)
 # A sentence ends at . ! or ? (and any closing quote or bracket) followed by white space.
 END = re.compile(r"(?<=[.!?])[\"')\]*_]*\s+")
 WORD = re.compile(r"[A-Za-z0-9]")
@@ -83,7 +83,7 @@ def split(block: str) -> list[str]:
     for end in END.finditer(block):
         before = block[start:end.start()]
         last = before.split()[-1] if before.split() else ""
-        if last.lower().lstrip("(\"'") in {a.lower() for a in ABBREVIATIONS}:
+        if last.lower().lstrip("(\"'") in ABBREVIATIONS:
             continue
         sentences.append(before)
         start = end.end()
