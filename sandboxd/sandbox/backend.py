@@ -138,12 +138,6 @@ class CallRequest:
     arguments: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     max_result_bytes: int = 1 << 20
-    # Not sent: the budget the sandbox is held to from this call on (until the next one),
-    # the tool's name for what the sandbox logs meanwhile (egress), and the call's secrets,
-    # which the sandbox's logged output is masked against from now on.
-    output_limits: OutputLimits = OutputLimits()
-    tool: str = ""
-    secrets: frozenset[str] = frozenset()
     # The real values behind the stand-ins in ``env`` (egress.secrets): sent only as the hosts
     # whose requests the shim must let the egress proxy read.
     stand_ins: StandIns | None = None
@@ -164,6 +158,18 @@ class CallRequest:
         return params
 
 
+@dataclass(frozen=True)
+class CallGuard:
+    """What the daemon's side of a sandbox holds one call to, beside its ``CallRequest``; never sent."""
+
+    # The output budget from this call on (until the next one).
+    output_limits: OutputLimits = OutputLimits()
+    # The tool's name, for what the sandbox logs meanwhile (egress).
+    tool: str = ""
+    # The call's secrets: the sandbox's logged output is masked against them from now on.
+    secrets: frozenset[str] = frozenset()
+
+
 class Sandbox(Protocol):
     """A started sandbox running the shim, serving one call at a time."""
 
@@ -173,8 +179,9 @@ class Sandbox(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
-        """Send the call; the future resolves to the shim's result object.
+    def call(self, request: CallRequest, on_progress: ProgressCallback,
+             guard: CallGuard = CallGuard()) -> asyncio.Future[dict[str, Any]]:
+        """Send the call, held to ``guard``; the future resolves to the shim's result object.
 
         It fails with SandboxFailed if the sandbox dies first. The caller may
         fail it itself (timeout, cancel grace); late answers are then dropped.

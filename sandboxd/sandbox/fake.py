@@ -13,7 +13,7 @@ import itertools
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from sandboxd.errors import BackendUnavailable, SandboxFailed
-from sandboxd.sandbox.backend import CallRequest, ProgressCallback, SandboxSpec
+from sandboxd.sandbox.backend import CallGuard, CallRequest, ProgressCallback, SandboxSpec
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
@@ -45,7 +45,8 @@ class FakeSandbox:
     def alive(self) -> bool:
         return self._alive
 
-    def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
+    def call(self, request: CallRequest, on_progress: ProgressCallback,
+             guard: CallGuard = CallGuard()) -> asyncio.Future[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         if not self._alive:

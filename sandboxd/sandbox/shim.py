@@ -28,7 +28,7 @@ from sandboxd.egress.secrets import StandIns
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, masking, source
-from sandboxd.sandbox.backend import CallRequest, EgressCall, OutputLimits, ProgressCallback
+from sandboxd.sandbox.backend import CallGuard, CallRequest, EgressCall, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
 
@@ -222,14 +222,15 @@ class ShimSandbox:
     def alive(self) -> bool:
         return not self._exited and self.channel.closed is None
 
-    def call(self, request: CallRequest, on_progress: ProgressCallback) -> asyncio.Future[dict[str, Any]]:
+    def call(self, request: CallRequest, on_progress: ProgressCallback,
+             guard: CallGuard = CallGuard()) -> asyncio.Future[dict[str, Any]]:
         self.stderr_tail.clear()
-        self._limits = request.output_limits
+        self._limits = guard.output_limits
         self._idle_output = 0
         if len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
-            self._secrets |= request.secrets
+            self._secrets |= guard.secrets
         future = self.channel.call(request, on_progress)
-        self._running_tool = request.tool or None
+        self._running_tool = guard.tool or None
         self._stand_ins = request.stand_ins or StandIns()
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()

@@ -39,7 +39,7 @@ from sandboxd.egress.secrets import StandIns, value_problem
 from sandboxd.errors import (BackendUnavailable, InvalidParams, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed,
                              ShuttingDown)
 from sandboxd.logging import admitted, get_logger, secret_values, source
-from sandboxd.sandbox.backend import Backend, CallRequest, OutputLimits, Sandbox, reserved_env
+from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox, reserved_env
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.rpc import Later, is_request_id, notification
 from sandboxd.tools.discovery import ScanNeeded, Tool, ToolCatalog
@@ -322,14 +322,14 @@ class CallRunner:
                     refused = self.storage.refusal(call.user) if self.storage is not None else None
                     if refused is not None:  # over quota (measured): no sandbox is taken for a call that would add more
                         raise refused
-                    request = self._request(call, masked)
+                    request, guard = self._request(call, masked)
                     ctx.enter_queue()
                     queued_at = time.monotonic()
                     pooled = await self.pool.acquire(call.user)
                     ctx.queue_wait_s = time.monotonic() - queued_at
                     reusable = False
                     try:
-                        outcome, reusable = await self._in_sandbox(pooled.sandbox, request, call, ctx, on_progress, started)
+                        outcome, reusable = await self._in_sandbox(pooled.sandbox, request, guard, call, ctx, on_progress, started)
                     finally:
                         ctx.finish()
                         # Released just after the answer is written (the dispatcher sends it when this returns):
@@ -354,32 +354,32 @@ class CallRunner:
         asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
 
-    def _request(self, call: CallParams, secrets: frozenset[str]) -> CallRequest:
-        """What the shim is sent, and what the sandbox holds to for this call."""
+    def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
+        """What the shim is sent, and what the sandbox holds this call to."""
         # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
         env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
         calls = self.config.calls
-        return CallRequest(
+        request = CallRequest(
             tool_call_id=call.tool_call_id,
             entry=self.backend.entry_path(call.tool),
             arguments=call.arguments,
             env=env,
             max_result_bytes=calls.max_result_bytes,
-            output_limits=OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes),
-            tool=call.tool.name,
-            secrets=secrets,
             stand_ins=stand_ins,
             # Only a call whose env names the relay's port gets one (relay_for_call): most have no env.
             browser_relay=relay_for_call(self.config.integrations.relay, call.env) if call.env else None,
         )
+        limits = OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes)
+        return request, CallGuard(output_limits=limits, tool=call.tool.name, secrets=secrets)
 
-    async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, call: CallParams, ctx: CallContext,
-                          on_progress: Callable[[list[Any]], None], started: float) -> tuple[dict[str, Any], bool]:
+    async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, guard: CallGuard, call: CallParams,
+                          ctx: CallContext, on_progress: Callable[[list[Any]], None],
+                          started: float) -> tuple[dict[str, Any], bool]:
         """The call in its sandbox, from request to outcome; and whether the sandbox may serve another."""
         assert sandbox is not None  # the pool hands out started sandboxes only
         calls = self.config.calls
         progress = _ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
-        future = progress.future = sandbox.call(request, progress)
+        future = progress.future = sandbox.call(request, progress, guard)
         ctx.start_running(sandbox, future, call.timeout_s)
         try:
             answer = await future

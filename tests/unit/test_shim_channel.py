@@ -13,7 +13,7 @@ import pytest
 
 from sandboxd.errors import SandboxFailed
 from sandboxd.logging import configure_logging, secret_values
-from sandboxd.sandbox.backend import CallRequest, OutputLimits, SandboxSpec
+from sandboxd.sandbox.backend import CallGuard, CallRequest, OutputLimits, SandboxSpec
 from sandboxd.sandbox.process_backend import ProcessBackend
 from sandboxd.sandbox.shim import ShimChannel, ShimSandbox
 
@@ -180,8 +180,8 @@ class RecordingSandbox(ShimSandbox):
 
     def start_call(self, limits: OutputLimits, secrets: frozenset[str] = frozenset()) -> asyncio.Future[dict[str, Any]]:
         self.channel.feed(line({"jsonrpc": "2.0", "method": "ready", "params": {}}))
-        return self.call(CallRequest("c1", "/officer/tools/x/index.ts", {}, output_limits=limits, secrets=secrets),
-                         lambda _c: None)
+        return self.call(CallRequest("c1", "/officer/tools/x/index.ts", {}), lambda _c: None,
+                         CallGuard(output_limits=limits, secrets=secrets))
 
     def answer(self) -> None:
         call_id = json.loads(self.sent[-1])["id"]
@@ -266,8 +266,8 @@ def test_tool_output_is_logged_masked_with_every_call_secret(tmp_path: Any) -> N
         sandbox.stderr_data(b"[c1] my token is tok-first-call\n")  # arrives outside the call's context
         sandbox.answer()
         await future
-        sandbox.call(CallRequest("c2", "/officer/tools/x/index.ts", {}, output_limits=BIG,
-                                 secrets=frozenset({"tok-second-call"})), lambda _c: None)
+        sandbox.call(CallRequest("c2", "/officer/tools/x/index.ts", {}), lambda _c: None,
+                     CallGuard(output_limits=BIG, secrets=frozenset({"tok-second-call"})))
         sandbox.stderr_data(b"[c1 (finished)] a timer: tok-first-call, tok-second-call\n")
         return stream.getvalue()
 
@@ -296,8 +296,8 @@ def test_the_process_backend_slows_a_flooding_tool_to_the_rate(tmp_path: Path) -
         spec = SandboxSpec("alice@example.com", tmp_path / "tools", tmp_path / "user", tmp_path / "user" / "tools", None)
         sandbox = await backend.start(spec)
         try:
-            request = CallRequest("c1", str(tool / "index.ts"), {}, output_limits=limits)
-            result = await asyncio.wait_for(sandbox.call(request, lambda _c: None), 30)
+            request = CallRequest("c1", str(tool / "index.ts"), {})
+            result = await asyncio.wait_for(sandbox.call(request, lambda _c: None, CallGuard(output_limits=limits)), 30)
             assert sandbox.alive
             return int(result["content"][0]["text"])
         finally:
