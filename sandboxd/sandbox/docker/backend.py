@@ -415,7 +415,8 @@ class DockerBackend:
         except docker.errors.NotFound:
             raise
         except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: not running, nothing left to throttle
+            # Not running (409, or Docker 20.10's 500 "container not running"): nothing left to throttle.
+            if exc.status_code != 409 and "not running" not in str(exc.explanation or ""):
                 log.warning("sandbox_cpu_quota_not_lifted", container=container_id[:12], error=str(exc),
                             consequence="its kill may wait for throttled processes")
 
