@@ -531,7 +531,7 @@ def test_a_call_cannot_set_the_sandbox_contract_or_the_proxy_variables(name: str
     """Even when an operator lists them in calls.allowed_env: a call could otherwise point its
     children's HTTPS_PROXY elsewhere (where no route leads anyway) or confuse the shim."""
     from sandboxd.errors import InvalidParams
-    from sandboxd.server.calls import _check_env
+    from sandboxd.server.calls.params import _check_env
 
     with pytest.raises(InvalidParams, match=f"{name} is set by sandboxd and cannot be overridden"):
         _check_env({name: "x"}, [name])

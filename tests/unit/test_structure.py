@@ -168,6 +168,6 @@ def test_the_cycle_finder_finds_a_cycle_and_the_graph_sees_imports_in_functions(
     assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}}) is None
     graph = import_graph()
-    assert "sandboxd.sandbox.pool" in graph["sandboxd.server.calls"]
+    assert "sandboxd.sandbox.pool" in graph["sandboxd.server.calls.runner"]
     typing_only = graph["sandboxd.sandbox.backend"]
     assert "sandboxd.tools.transpile_cache" not in typing_only  # under TYPE_CHECKING only

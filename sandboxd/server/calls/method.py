@@ -1,0 +1,76 @@
+"""The tools/call method (``Calls``): admit → check (after a tools scan when the tools changed) →
+run → answer; what shutdown waits for is ``Calls.in_flight``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable
+
+from sandboxd.errors import ShuttingDown
+from sandboxd.server.calls.context import CallContext
+from sandboxd.server.calls.params import CallParams, parse_call_params
+from sandboxd.server.calls.runner import CallRunner
+from sandboxd.server.rpc import Later, notification
+from sandboxd.tools.discovery import ScanNeeded, ToolCatalog
+
+
+class Calls:
+    """Every tools/call on the daemon goes through here: admit → check → run → answer."""
+
+    def __init__(self, runner: CallRunner, catalog: ToolCatalog, *, stopping: Callable[[], bool]) -> None:
+        self.runner = runner
+        self.catalog = catalog
+        self._stopping = stopping
+        self.in_flight: set[CallContext] = set()  # from their first step to their answer: what shutdown waits for
+
+    def start(self, request_id: Any, params: Any, send: Callable[[dict[str, Any]], None]) -> Later:
+        """The tools/call method (``send``: to its client): admit and check what can be checked now;
+        the rest is the dispatcher's to await, and the context its cancels reach."""
+        arrived = time.monotonic()
+        if self._stopping():
+            refusal = ShuttingDown()
+            self.runner.count_refused(params, refusal)
+            raise refusal
+        try:
+            call: CallParams | None = self._check(params, arrived)
+        except ScanNeeded:
+            # The tools changed since the last scan (the warm path is one inotify read, here): the
+            # call is checked after a new scan, in flight from now, so that a cancel or a disconnect finds it.
+            call = None
+        assert isinstance(params, dict)  # the check refused anything else
+        meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        ctx = CallContext()
+        on_progress = _progress_notifier(ctx, meta.get("progressToken", request_id), send)
+        return Later(self.answer(ctx, params, arrived, call, on_progress), ctx)
+
+    async def answer(self, ctx: CallContext, params: dict[str, Any], arrived: float, call: CallParams | None,
+                     on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        """Check (``call`` is None: after a tools scan), run, and give the answer to send."""
+        # From its first step, at the loop's next turn (a shutdown, which waits on the loop, finds
+        # it), not from start: the dispatcher drops a call it refuses unstarted.
+        self.in_flight.add(ctx)
+        try:
+            while call is None:
+                await self.catalog.refresh(params.get("user"), since=arrived)
+                try:
+                    call = self._check(params, arrived)  # the lookup now trusts the scan just made
+                except ScanNeeded:
+                    continue
+            return await self.runner.run(call, ctx, on_progress)
+        finally:
+            self.in_flight.discard(ctx)
+
+    def _check(self, params: Any, arrived: float) -> CallParams:
+        return parse_call_params(params, self.catalog, self.runner.config, since=arrived)
+
+
+def _progress_notifier(ctx: CallContext, token: Any, send: Callable[[dict[str, Any]], None]) -> Callable[[list[Any]], None]:
+    """A call's progress as notifications to its client, numbered from 1 (docs/protocol.md)."""
+    numbers = itertools.count(1)
+
+    def notify(content: list[Any]) -> None:
+        ctx.progressed()
+        send(notification("notifications/progress", {"progressToken": token, "progress": next(numbers), "content": content}))
+
+    return notify

@@ -1,0 +1,200 @@
+"""``CallRunner.run``: acquire a sandbox (pool.py) → call its shim → release it, every outcome a
+result; counted and logged once. ``sandboxd run`` runs its calls through it too."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import re
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from sandboxd.config import Config
+from sandboxd.egress.browser_relay import relay_for_call
+from sandboxd.egress.secrets import StandIns
+from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
+from sandboxd.logging import admitted, get_logger, secret_values, source
+from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox
+from sandboxd.sandbox.pool import Pool
+from sandboxd.server.calls.context import (CallContext, GraceExpired, Killed, ProgressBudget, ProgressCapExceeded,
+                                          TimedOut)
+from sandboxd.server.calls.params import CallParams
+
+if TYPE_CHECKING:
+    from sandboxd.storage.quota import Storage
+
+log = get_logger("sandboxd.calls")
+
+
+# How a call that ends in a JSON-RPC error (not a result) is counted and logged.
+_ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
+                                             QuotaExceeded: "over_quota"}
+# A call without env or sensitive arguments registers nothing to mask in its log lines.
+_NO_SECRETS: contextlib.nullcontext[frozenset[str]] = contextlib.nullcontext(frozenset())
+# What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
+_DISK_FULL = re.compile(r"EDQUOT|ENOSPC|[Dd]isk quota exceeded|[Nn]o space left on device")
+
+
+def result(status: str, content: list[Any], started: float, *, is_error: bool | None = None, details: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "content": content,
+        "isError": status != "ok" if is_error is None else is_error,
+        "status": status,
+        "durationMs": round((time.monotonic() - started) * 1000),
+    }
+    if details is not None:
+        out["details"] = details
+    return out
+
+
+def _not_started(ctx: CallContext, started: float) -> dict[str, Any]:
+    return result("cancelled", text(f"The call was cancelled before it started ({ctx.cancel_reason})."), started)
+
+
+def text(message: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": message}]
+
+
+class CallRunner:
+    def __init__(self, config: Config, pool: Pool, backend: Backend) -> None:
+        self.config = config
+        self.pool = pool
+        self.backend = backend
+        self.counts: dict[str, int] = {}
+        # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
+        self.on_call: Callable[[str, str, float, float | None], None] | None = None
+        self.storage: Storage | None = None  # the disk quota: refuses users over it, measures after calls
+
+    async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
+        """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
+        that could not be had (a JSON-RPC error, raised); each is logged and counted once."""
+        started = time.monotonic()
+        ctx.task = asyncio.current_task()
+        ctx.grace = self.config.calls.cancel_grace_ms / 1000
+        try:
+            # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
+            values = call.secrets()
+            with secret_values(values) if values else _NO_SECRETS as masked:
+                if ctx.cancel_reason is not None:  # cancelled before it got here
+                    outcome = _not_started(ctx, started)
+                else:
+                    refused = self.storage.refusal(call.user) if self.storage is not None else None
+                    if refused is not None:  # over quota (measured): no sandbox is taken for a call that would add more
+                        raise refused
+                    request, guard = self._request(call, masked)
+                    ctx.enter_queue()
+                    queued_at = time.monotonic()
+                    pooled = await self.pool.acquire(call.user)
+                    ctx.queue_wait_s = time.monotonic() - queued_at
+                    reusable = False
+                    try:
+                        outcome, reusable = await self._in_sandbox(pooled.sandbox, request, guard, call, ctx, on_progress, started)
+                    finally:
+                        ctx.finish()
+                        # Released just after the answer is written (the dispatcher sends it when this returns):
+                        # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
+                        asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
+        except asyncio.CancelledError:
+            if ctx.cancel_reason is None:
+                raise  # the daemon itself is stopping the task
+            outcome = _not_started(ctx, started)  # cancelled while it waited for a sandbox
+        except Exception as exc:
+            error = exc.message if isinstance(exc, SandboxdError) else None
+            self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
+            raise
+        if self.storage is not None and ctx.sandbox is not None:
+            self.storage.after_call(call.user)
+            if outcome["isError"] and _DISK_FULL.search(json.dumps(outcome["content"])):
+                # Which quota the write hit, and how to free space; measured now, on failed calls only.
+                note = await self.storage.note(call.user)
+                if note is not None:
+                    outcome["content"] = [*outcome["content"], *text(note)]
+        # Logged and counted just after the answer is written, like the release.
+        asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
+        return outcome
+
+    def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
+        """What the shim is sent, and what the sandbox holds this call to."""
+        # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
+        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
+        calls = self.config.calls
+        request = CallRequest(
+            tool_call_id=call.tool_call_id,
+            entry=self.backend.entry_path(call.tool),
+            arguments=call.arguments,
+            env=env,
+            max_result_bytes=calls.max_result_bytes,
+            stand_ins=stand_ins,
+            # Only a call whose env names the relay's port gets one (relay_for_call): most have no env.
+            browser_relay=relay_for_call(self.config.integrations.relay, call.env) if call.env else None,
+        )
+        limits = OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes)
+        return request, CallGuard(output_limits=limits, tool=call.tool.name, secrets=secrets)
+
+    async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, guard: CallGuard, call: CallParams,
+                          ctx: CallContext, on_progress: Callable[[list[Any]], None],
+                          started: float) -> tuple[dict[str, Any], bool]:
+        """The call in its sandbox, from request to outcome; and whether the sandbox may serve another."""
+        assert sandbox is not None  # the pool hands out started sandboxes only
+        calls = self.config.calls
+        progress = ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
+        future = progress.future = sandbox.call(request, progress, guard)
+        ctx.start_running(sandbox, future, call.timeout_s)
+        try:
+            answer = await future
+        except TimedOut:
+            return result("timeout", text(
+                f"The tool did not finish within {call.timeout_s:g} s and was stopped; "
+                "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started), False
+        except GraceExpired:
+            return result("cancelled", text(
+                f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
+                f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started), False
+        except Killed as exc:
+            return result("cancelled", text(exc.message), started), False
+        except (SandboxFailed, ProgressCapExceeded) as exc:
+            return result("crashed", text(exc.message), started), False
+        # The shim says when a tool left processes running or /tmp full (docs/shim.md).
+        retire = answer.get("retire")
+        if retire:
+            log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=sandbox.id,
+                     reason=str(retire)[:500], budget=source("user", call.user))
+        content = answer.get("content")
+        if not isinstance(content, list):
+            content = text("The tool's sandbox returned a malformed result.")
+        if ctx.cancel_reason is not None:
+            return result("cancelled", content, started, is_error=True, details=answer.get("details")), not retire
+        status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
+        return result(status, content, started, details=answer.get("details")), not retire
+
+    def count_refused(self, params: Any, exc: SandboxdError) -> None:
+        """A call refused before its params were read (the daemon stopping): counted and logged like the rest.
+
+        Not in the metrics: they stop being served when shutdown begins, before any such refusal.
+        """
+        status = _ERROR_STATUS.get(type(exc), "internal_error")
+        self.counts[status] = self.counts.get(status, 0) + 1
+        name = params.get("name") if isinstance(params, dict) else None
+        log.info("call", tool=name[:200] if isinstance(name, str) else None, status=status, error=exc.message,
+                 budget=source("calls", "refused while stopping"))
+
+    def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
+        """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
+        self.counts[status] = self.counts.get(status, 0) + 1
+        # Built only when the user's log budget admits it: at a few thousand calls a second most are dropped.
+        if admitted(source("user", call.user), "call"):
+            log.info(
+                "call",
+                user=call.user,
+                tool=call.tool.name,
+                tool_call_id=call.tool_call_id,
+                status=status,
+                duration_ms=round(duration_s * 1000),
+                queue_ms=None if ctx.queue_wait_s is None else round(ctx.queue_wait_s * 1000),
+                sandbox=None if ctx.sandbox is None else ctx.sandbox.id,
+                **({"error": error} if error else {}),
+            )
+        if self.on_call is not None:
+            self.on_call(call.tool.name, status, duration_s, ctx.queue_wait_s)
