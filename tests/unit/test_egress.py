@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
-from sandboxd.egress import proxy as proxy_module
+from sandboxd.egress import session as session_module
 from sandboxd.egress.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
 from sandboxd.egress.policy import AllowEntry, EgressPolicy
 from sandboxd.egress.proxy import EgressProxy
@@ -132,7 +132,7 @@ def test_every_special_purpose_range_and_every_form_carrying_one_is_refused_nami
     assert refused_class(ipaddress.ip_address(address)) == why
     verdict = EgressPolicy("public").for_address(address, 443, ipaddress.ip_address(address))
     assert not verdict.allowed and verdict.reason == why
-    assert proxy_module._reason_label(why) in LABELS
+    assert session_module._reason_label(why) in LABELS
 
 
 @pytest.mark.parametrize(("entries", "name"), [(IPV4_SPECIAL, "IPv4"), (IPV6_SPECIAL, "IPv6")])
@@ -316,7 +316,7 @@ def no_connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
                 raise ConnectionRefusedError(111, "not connected: the test allows loopback only")
         return await real(host, port, **kwargs)
 
-    monkeypatch.setattr(proxy_module.asyncio, "open_connection", recording)
+    monkeypatch.setattr(session_module.asyncio, "open_connection", recording)
     return made
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from sandboxd.egress.grants import GRANT_ENDED, CallGrant
 from sandboxd.egress.http1 import MAX_HEAD_BYTES, Malformed, RequestReader
-from sandboxd.egress.proxy import _parse
+from sandboxd.egress.request import parse_request as _parse
 
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: vm\r\nX-Key: k\r\n\r\n"
 

@@ -20,13 +20,12 @@ PACKAGE = ROOT / "sandboxd"
 MAX_COMPLEXITY = 20
 # issue 37: to simplify (owned by other engineers; the lead shrinks this). {"path:function": its complexity now}
 COMPLEXITY_ALLOWED: dict[str, int] = {
-    "sandboxd/egress/proxy.py:EgressSession._serve": 25,
+    "sandboxd/egress/session.py:EgressSession._serve": 25,
 }
 
 MAX_LINES = 500
 # issue 37: to split (owned by other engineers; the lead shrinks this). {path: its line count now, at most}
 LINES_ALLOWED: dict[str, int] = {
-    "sandboxd/egress/proxy.py": 719,
     "sandboxd/tools/discovery.py": 597,
 }
 
