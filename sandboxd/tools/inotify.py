@@ -8,7 +8,7 @@ made, so a change finished before a call was sent is seen by that call ("discove
 
 What inotify would not see makes a root unwatched, and its lookups stat as before: a TOOL.md
 or entry file that is a symbolic link or has other hard links (edited through another path),
-no inotify on this system, or no watch left (fs.inotify.max_user_watches).
+no inotify on this system, or no watch left (MAX_WATCHES, fs.inotify.max_user_watches).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ _MASK = (0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800)  # MODIF
 _IN_Q_OVERFLOW = 0x4000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _READ_SIZE = 64 << 10
+# Watches one catalog holds at most (each costs the kernel ~1 KB, and fs.inotify.max_user_watches is shared
+# with the rest of the host); the roots past it are stat'ed.
+MAX_WATCHES = 8192
 
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
@@ -71,6 +74,8 @@ class RootWatcher:
             self._forget(root)
             watched = _existing(root, stop_at)
             dirs = [watched, *tool_dirs] if watched == root else [watched]
+            if len(self._roots_by_wd) + len(dirs) > MAX_WATCHES:
+                return False
             if watched == root and not all(_watchable(tool_dir, self._files) for tool_dir in tool_dirs):
                 return False
             wds: list[int] = []

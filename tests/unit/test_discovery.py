@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.errors import InvalidParams
-from sandboxd.tools import discovery
+from sandboxd.tools import discovery, inotify
 from sandboxd.tools.discovery import Skipped, Tool, ToolCatalog
 
 USER = "alice@example.com"
@@ -558,6 +558,20 @@ def test_a_tool_whose_files_are_linked_is_stat_checked_since_inotify_misses_edit
     target.write_text("export async function execute() { return { content: [{ type: 'text', text: 'new' }] }; }\n")
     with pytest.raises(discovery.ScanNeeded):  # the edit through the other path is seen all the same
         lookup(catalog, "a")
+    catalog.close()
+
+
+def test_roots_past_the_watch_budget_are_stat_checked(data: Path, stat_calls: list[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inotify, "MAX_WATCHES", 3)  # the global root and its two tools; none left for the user's
+    write_tool(global_root(data), "a")
+    write_tool(global_root(data), "b")
+    write_tool(user_root(data), "mine")
+    catalog = ToolCatalog(data)
+    catalog.tools(USER)
+    stat_calls.clear()
+    assert lookup(catalog, "mine").source == "user"
+    assert stat_calls and all(path.startswith(str(user_root(data))) for path in stat_calls)  # the global root is watched
     catalog.close()
 
 
