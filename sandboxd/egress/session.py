@@ -4,16 +4,17 @@ connected and relayed (the proxy's module docstring, egress/proxy.py, says how).
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
 import ssl
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
-from sandboxd.egress.browser_relay import RELAY_NAME, relay_refusal_message, tunnel_verdict
+from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
 from sandboxd.egress.grants import GRANT_ENDED
 from sandboxd.egress.http1 import Malformed, RequestReader
-from sandboxd.egress.pacing import Debt, Share
-from sandboxd.egress.policy import IPAddress, Verdict, parse_address
+from sandboxd.egress.pacing import Debt, Share, Shares
+from sandboxd.egress.policy import AllowEntry, EgressPolicy, IPAddress, Verdict, parse_address
 from sandboxd.egress.relay import Relay
 from sandboxd.egress.request import (HEAD_TIMEOUT_S, NoRequest, Refused, parse_request, read_head, refusal_message,
                                      reply)
@@ -23,9 +24,6 @@ from sandboxd.sandbox.backend import EgressContext
 from sandboxd.service.fds import EGRESS_REFUSING
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
-if TYPE_CHECKING:
-    from sandboxd.egress.proxy import EgressProxy
-
 log = get_logger("sandboxd.egress")
 
 # A sandbox's lookups at once, of the proxy's DNS_THREADS (egress/proxy.py).
@@ -33,11 +31,30 @@ LOOKUPS_PER_SANDBOX = 2
 TLS_READ_BYTES = 64 << 10  # read from an origin's TLS stream at once
 
 
+class SharedEgress(Shares, Protocol):
+    """What a session asks of what every sandbox shares: egress/proxy.py's ``EgressProxy``."""
+
+    policy: EgressPolicy
+    secret_hosts: tuple[AllowEntry, ...]
+    browser_relay: BrowserRelay | None
+    decisions: collections.Counter[tuple[str, str]]
+    secret_uses: collections.Counter[str]
+
+    @property
+    def tls(self) -> ssl.SSLContext: ...
+
+    async def decide(self, host: str, port: int, lookups: asyncio.Semaphore) -> tuple[list[IPAddress], Verdict]: ...
+
+    async def lookup(self, host: str, port: int, lookups: asyncio.Semaphore) -> list[IPAddress]: ...
+
+    def forget(self, budget: object) -> None: ...
+
+
 class EgressSession:
     """One sandbox's egress: the connections it opens on its egress.sock (at most
     ``egress.connect_rate`` new ones a second, ``egress.max_connections`` at once), each one request."""
 
-    def __init__(self, proxy: EgressProxy, user: str, sandbox_id: str, context: EgressContext) -> None:
+    def __init__(self, proxy: SharedEgress, user: str, sandbox_id: str, context: EgressContext) -> None:
         self._proxy = proxy
         self.user = user
         self.sandbox_id = sandbox_id
