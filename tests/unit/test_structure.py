@@ -74,18 +74,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path, known: set[str]) -> dict[str, int]:
     """The sandboxd modules ``path`` imports, each with the line of its first import.
 
-    Counted: imports at module level and inside functions alike (a function's import runs as
-    surely as the module's, only later: it hides a cycle rather than removing it). Not
-    counted: imports under ``if TYPE_CHECKING:`` (never run). ``from a.b import c`` is an
+    Counted: imports at module level, inside functions and under ``if TYPE_CHECKING:`` alike (a
+    function's import runs as surely as the module's, only later: it hides a cycle rather than
+    removing it; a type-only import still means neither module can be read without the other, as
+    sandbox/backend.py and tools/transpile_cache.py could not, issue 37). ``from a.b import c`` is an
     import of ``a.b.c`` when that is a module, else of ``a.b``; the parent packages an import
     runs on the way (``a``'s ``__init__``) are not counted, or every package re-exporting its
     modules would be a cycle with each of them.
@@ -100,10 +95,6 @@ def imports_of(path: Path, known: set[str]) -> dict[str, int]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
-                for other in child.orelse:
-                    visit(other)
-                continue
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     add(alias.name, child.lineno)
@@ -168,5 +159,4 @@ def test_the_cycle_finder_finds_a_cycle_and_the_graph_sees_imports_in_functions(
     assert find_cycle({"a": {"b": 1}, "b": {}}) is None
     graph = import_graph()
     assert "sandboxd.sandbox.pool" in graph["sandboxd.server.calls.runner"]
-    typing_only = graph["sandboxd.sandbox.backend"]
-    assert "sandboxd.tools.transpile_cache" not in typing_only  # under TYPE_CHECKING only
+    assert "sandboxd.tools.discovery" in graph["sandboxd.sandbox.backend"]  # under TYPE_CHECKING: counted too
