@@ -29,7 +29,7 @@ LINES_PER_TURN = 64
 
 
 class RefusedPeers:
-    """The door for peers the edge refuses: one error line after ``DELAY_S``, our end of the
+    """Answers peers that allowed_uids/allowed_gids refuse: one error line after ``DELAY_S``, our end of the
     connection shut, what the peer sent read and dropped until it closes (closing over unread
     bytes would reset the connection, and the peer would lose the answer), at most ``LINGER_S``.
 
@@ -106,7 +106,7 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         refusal = self.refusal or self._edge.refusal(self.transport.get_extra_info("socket"))
         if refusal is not None:
-            # One error line, then the door: a refused peer never reaches dispatch.
+            # One error line (RefusedPeers), then closed: a refused peer never reaches dispatch.
             self.closed = self._refused = True
             self._edge.refused_peers.refuse(
                 self.transport, encode({"jsonrpc": "2.0", "id": None, "error": error_body(PeerRefused(refusal))}))
@@ -172,7 +172,7 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # A unix socket cannot tell a half-close from a close: EOF is a disconnect,
         # which cancels the calls in flight (connection_lost follows). A refused peer's
-        # connection stays for its answer, which the door sends and then closes it.
+        # connection stays for its answer, which RefusedPeers sends before closing it.
         return self._refused
 
     def send(self, message: dict[str, Any]) -> None:

@@ -66,7 +66,7 @@ class Server:
         self.pool = Pool(self.backend, config.pool, self.spec_for)
         self.runner = CallRunner(config, self.pool, self.backend)
         self.connections: set[Connection] = set()
-        self.refused_peers = RefusedPeers()  # the door for peers allowed_uids/allowed_gids refuse
+        self.refused_peers = RefusedPeers()  # answers, then closes, peers allowed_uids/allowed_gids refuse
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
