@@ -16,6 +16,7 @@ from cryptography.x509.oid import NameOID
 
 @dataclass(frozen=True)
 class TestCA:
+    __test__ = False  # a helper, not a test class (pytest collects Test* names imported into test modules)
     ca_file: Path  # the CA's certificate (PEM): what the daemon is told to trust
     cert_file: Path  # the server's certificate for 127.0.0.1 and localhost
     key_file: Path

@@ -63,6 +63,20 @@ def write_tool(root: Path, name: str, source: str, *, inputs: str = "", version:
     return tool
 
 
+# A tool that runs params.script with python3 as the sandbox uid; a non-zero exit makes it an error result.
+PYTHON_SCRIPT_TOOL = """
+import { spawn } from 'node:child_process';
+export async function execute(_id: string, params: { script: string }) {
+  const child = spawn('python3', ['-c', params.script], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  child.stdout.on('data', (d) => { out += d; });
+  child.stderr.on('data', (d) => { out += d; });
+  const code = await new Promise((done) => child.on('close', done));
+  return { content: [{ type: 'text', text: out.trim() }], isError: code !== 0 };
+}
+"""
+
+
 RUNTIME = os.environ.get("E2E_SANDBOX_RUNTIME", "")
 GVISOR = RUNTIME == "runsc"
 # A write into a read-only mount: EROFS from the host's kernel; gVisor's checks the folder's

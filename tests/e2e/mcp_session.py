@@ -51,13 +51,14 @@ def free_port() -> int:
 
 
 class HttpServer:
-    """`sandboxd mcp --http 127.0.0.1:PORT` as a child process."""
+    """`sandboxd mcp --http 127.0.0.1:PORT` as a child process; ``nofile``: under ``prlimit --nofile``."""
 
-    def __init__(self, daemon: Daemon, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, daemon: Daemon, *args: str, env: dict[str, str] | None = None, nofile: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.log = daemon.tmp / f"mcp-http-{self.port}.log"
-        self.proc = subprocess.Popen(mcp_command(daemon, "--http", f"127.0.0.1:{self.port}", *args),
+        limit = ["prlimit", f"--nofile={nofile}:{nofile}", "--"] if nofile is not None else []
+        self.proc = subprocess.Popen([*limit, *mcp_command(daemon, "--http", f"127.0.0.1:{self.port}", *args)],
                                      env=server_env({"SANDBOXD_MCP_TOKEN": TOKEN, **(env or {})}), cwd=REPO,
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
         deadline = time.monotonic() + 20

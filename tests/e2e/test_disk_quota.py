@@ -19,9 +19,9 @@ import pytest
 
 from sandboxd.client import RpcError
 
-from tests.e2e.conftest import Daemon, write_tool
+from tests.e2e.conftest import PYTHON_SCRIPT_TOOL, Daemon, write_tool
 from tests.e2e.hostile_harness import wait_until
-from tests.e2e.results import ok, refused, text
+from tests.e2e.results import ok, refused
 from tests.loopfs import MIB, loop_devices_usable, loop_filesystem
 
 pytestmark = [pytest.mark.docker, pytest.mark.skipif(bool(loop_devices_usable("btrfs")),
@@ -29,18 +29,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.skipif(bool(loop_devices_usable("b
 
 A, B = "hostile@example.com", "bystander@example.com"
 
-# Runs a Python script as the sandbox uid; its exit status says whether the tool failed.
-PYTHON = """
-import { spawn } from 'node:child_process';
-export async function execute(_id: string, params: { script: string }) {
-  const child = spawn('python3', ['-c', params.script], { stdio: ['ignore', 'pipe', 'pipe'] });
-  let out = '';
-  child.stdout.on('data', (d) => { out += d; });
-  child.stderr.on('data', (d) => { out += d; });
-  const code = await new Promise((done) => child.on('close', done));
-  return { content: [{ type: 'text', text: out.trim() }], isError: code !== 0 };
-}
-"""
 
 # Writes 1-MiB chunks with fsync until `mib` or an error; prints how many went in, then fails on the error.
 FILL = """
@@ -85,7 +73,7 @@ print('fallocated', {size})
 def started(make_daemon: Any, tmp_path: Path, config: str) -> Daemon:
     daemon = make_daemon(config, start=False)
     assert daemon.data == tmp_path / "d0" / "data"  # the folder the test mounted its filesystem on
-    write_tool(daemon.data / "tools", "python", PYTHON, inputs="  script:\n    type: string\n    description: Python to run.\n")
+    write_tool(daemon.data / "tools", "python", PYTHON_SCRIPT_TOOL, inputs="  script:\n    type: string\n    description: Python to run.\n")
     return daemon.start()
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from sandboxd.client import Client
 
-from tests.e2e.conftest import Daemon, write_tool
+from tests.e2e.conftest import PYTHON_SCRIPT_TOOL, Daemon, write_tool
 from tests.e2e.hostile_harness import wait_until
 from tests.e2e.results import ok, refused, text
 
@@ -30,23 +30,12 @@ A = "alice@example.com"
 # One sandbox per user, so that "while warm" means the same sandbox (its hostname shows it).
 ONE_SANDBOX = "pool:\n  max_per_user: 1\n"
 
-SQLITE_SCRIPT = """
-import { spawn } from 'node:child_process';
-export async function execute(_id: string, params: { script: string }) {
-  const child = spawn('python3', ['-c', params.script], { stdio: ['ignore', 'pipe', 'pipe'] });
-  let out = '';
-  child.stdout.on('data', (d) => { out += d; });
-  child.stderr.on('data', (d) => { out += d; });
-  const code = await new Promise((done) => child.on('close', done));
-  return { content: [{ type: 'text', text: out.trim() }], isError: code !== 0 };
-}
-"""
 OPEN = "import os, sqlite3, time\ndb = sqlite3.connect(os.environ['OFFICER_EMAIL_DB'], isolation_level=None, timeout=10)\n"
 
 
 def started(make_daemon: Any, config: str = ONE_SANDBOX) -> Daemon:
     daemon = make_daemon(config, start=False)
-    write_tool(daemon.data / "tools", "sqlite_script", SQLITE_SCRIPT,
+    write_tool(daemon.data / "tools", "sqlite_script", PYTHON_SCRIPT_TOOL,
                inputs="  script:\n    type: string\n    description: Python to run.\n")
     return daemon.start()
 

@@ -19,7 +19,6 @@ import anyio
 import httpx2
 import pytest
 
-from tests.e2e.conftest import REPO
 from tests.e2e.mcp_session import TOKEN, HttpServer, free_port, mcp_command, server_env, text_of
 
 pytestmark = pytest.mark.docker
@@ -34,39 +33,14 @@ HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "app
            "Authorization": f"Bearer {TOKEN}"}
 
 
-class LimitedServer:
-    """`sandboxd mcp --http` under ``prlimit --nofile``; ``session`` is HttpServer's (the SDK's client)."""
-
-    session = HttpServer.session
+class LimitedServer(HttpServer):
+    """HttpServer under ``prlimit --nofile`` (NOFILE by default), with its descriptors counted."""
 
     def __init__(self, daemon: Any, *args: str, nofile: int = NOFILE) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.log = daemon.tmp / f"mcp-http-{self.port}.log"
-        command = ["prlimit", f"--nofile={nofile}:{nofile}", "--",
-                   *mcp_command(daemon, "--http", f"127.0.0.1:{self.port}", *args)]
-        self.proc = subprocess.Popen(command, env=server_env({"SANDBOXD_MCP_TOKEN": TOKEN}), cwd=REPO,
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"sandboxd mcp --http exited:\n{self.log.read_text()}"
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError(f"sandboxd mcp --http did not listen:\n{self.log.read_text()}")
+        super().__init__(daemon, *args, nofile=nofile)
 
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Flood:
