@@ -135,53 +135,20 @@ class EgressSession:
         self._proxy.forget(self.budget)
 
     async def _serve(self, conn: socket.socket) -> None:
-        config = self._proxy.config
-        reader = RequestReader()
-        try:
-            async with asyncio.timeout(HEAD_TIMEOUT_S):
-                await read_head(conn, reader)
-            assert reader.head is not None
-            if reader.extra:  # a pipelined request, or bytes past the body's end: never forwarded
-                raise Malformed("bytes follow the request's end (a second request?); the proxy takes one request "
-                                "per connection and forwards nothing it did not parse")
-            method, scheme, host, port, forward = parse_request(reader.head)
-            if scheme == "https" and not names_host(self._proxy.secret_hosts, host, port, self._proxy.policy.ports):
-                raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
-                                 "https:// request (only egress.secrets hosts are fetched so)")
-        except NoRequest:
+        """One request: read and checked, its destination decided and connected, then served; every
+        refusal and failure is answered in the phase that finds it."""
+        request = await self._read_request(conn)
+        if request is None:
             return
-        except ValueError as exc:  # Malformed, or what parse_request refuses
-            self._refused()
-            await reply(conn, 400, "failed", f"egress request malformed: {exc}")
-            return
-        except TimeoutError:
-            self._refused()
-            await reply(conn, 400, "failed", f"egress request malformed: no complete request head within "
-                                              f"{HEAD_TIMEOUT_S:g} s")
-            return
-        # One look at the sandbox's call: what it was granted, and the grant that ends with it.
-        call = self._context()
+        reader, scheme, host, port, forward = request
+        call = self._context()  # one look at the sandbox's call: what it was granted, and the grant that ends with it
         relaying = host == RELAY_NAME
         if relaying and self._proxy.browser_relay is not None:
             host = self._proxy.browser_relay.host  # what is logged: where the tunnel goes
-        try:
-            addresses, verdict = await (self._relay_addresses(host, port, call.relay_port) if relaying
-                                        else self._proxy.decide(host, port, self._lookups))
-        except Refused as refused:
-            self._record("failed", refused.reason, host, port, None)
-            await reply(conn, refused.status, "failed", refused.message)
+        opened = await self._open(conn, host, port, call.relay_port if relaying else None, relaying)
+        if opened is None:
             return
-        if not addresses:
-            self._record("refused", verdict.reason, host, port, parse_address(host))
-            await reply(conn, 403, "refused", relay_refusal_message(port, verdict) if relaying
-                         else refusal_message(host, port, None, verdict))
-            return
-        try:
-            upstream, address = await _connect(addresses, port, config.connect_timeout_ms)
-        except Refused as refused:
-            self._record("failed", refused.reason, host, port, addresses[0])
-            await reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
-            return
+        upstream, address, verdict = opened
         rewrite = call.stand_ins.rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
         # Admitted by what only this call holds (the relay's port, a secret's value): it ends with the call.
         grant = call.grant if relaying or (rewrite is not None and rewrite.substituted) else None
@@ -206,6 +173,56 @@ class EgressSession:
         finally:
             if grant is not None:
                 grant.release(task)
+
+    async def _read_request(self, conn: socket.socket) -> tuple[RequestReader, str, str, int, bytes] | None:
+        """(reader, scheme, host, port, the head to forward or b"") of the sandbox's request; None once a
+        malformed one is answered 400, or when the sandbox sent nothing."""
+        reader = RequestReader()
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                await read_head(conn, reader)
+            assert reader.head is not None
+            if reader.extra:  # a pipelined request, or bytes past the body's end: never forwarded
+                raise Malformed("bytes follow the request's end (a second request?); the proxy takes one request "
+                                "per connection and forwards nothing it did not parse")
+            _method, scheme, host, port, forward = parse_request(reader.head)
+            if scheme == "https" and not names_host(self._proxy.secret_hosts, host, port, self._proxy.policy.ports):
+                raise ValueError(f"https://{host}:{port}: https goes through CONNECT host:443, not an absolute "
+                                 "https:// request (only egress.secrets hosts are fetched so)")
+            return reader, scheme, host, port, forward
+        except NoRequest:
+            return None
+        except ValueError as exc:  # Malformed, or what parse_request refuses
+            message = f"egress request malformed: {exc}"
+        except TimeoutError:
+            message = f"egress request malformed: no complete request head within {HEAD_TIMEOUT_S:g} s"
+        self._refused()
+        await reply(conn, 400, "failed", message)
+        return None
+
+    async def _open(self, conn: socket.socket, host: str, port: int, relay_port: int | None,
+                    relaying: bool) -> tuple[socket.socket, IPAddress, Verdict] | None:
+        """A connection to where the request may go, by the policy (or the call's relay grant); None once a
+        refusal or a failure is answered."""
+        try:
+            addresses, verdict = await (self._relay_addresses(host, port, relay_port) if relaying
+                                        else self._proxy.decide(host, port, self._lookups))
+        except Refused as refused:
+            self._record("failed", refused.reason, host, port, None)
+            await reply(conn, refused.status, "failed", refused.message)
+            return None
+        if not addresses:
+            self._record("refused", verdict.reason, host, port, parse_address(host))
+            await reply(conn, 403, "refused", relay_refusal_message(port, verdict) if relaying
+                         else refusal_message(host, port, None, verdict))
+            return None
+        try:
+            upstream, address = await _connect(addresses, port, self._proxy.config.connect_timeout_ms)
+        except Refused as refused:
+            self._record("failed", refused.reason, host, port, addresses[0])
+            await reply(conn, refused.status, "failed", f"egress to {host}:{port} failed: {refused.message}")
+            return None
+        return upstream, address, verdict
 
     async def _serve_plain(self, conn: socket.socket, upstream: socket.socket, rewrite: Rewrite | None,
                            reader: RequestReader) -> None:

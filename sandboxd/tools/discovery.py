@@ -25,79 +25,31 @@ over a bound is skipped with a Problem, never silently.
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
 import os
 import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable
 
 from sandboxd.logging import get_logger
+from sandboxd.tools import freshness
 from sandboxd.tools.inotify import RootWatcher
 from sandboxd.tools.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from sandboxd.tools.problem import Problem
-from sandboxd.tools.schema import input_schema
+from sandboxd.tools.tool import ENTRY_FILES, Skipped, Source, Tool
 from sandboxd.users import check_user, global_tools_dir, user_tools_dir
 
 log = get_logger("sandboxd.tools")
 
-ENTRY_FILES = ("index.ts", "index.js")  # in order of preference
 MAX_ENTRIES_PER_ROOT = 256  # entries of one tools root read (by name); the rest is skipped with a problem
 MAX_ROOT_MANIFEST_BYTES = 2 << 20  # TOOL.md bytes of one root; the tools past it are skipped
 ROOT_SCAN_TIME_LIMIT_S = 5.0  # a scan parses nothing more after this; the rest is retried at the next one
 MAX_LIST_BYTES = 8 << 20  # of a tools/list answer (JSON); tools past it are skipped, by name
-Source = Literal["global", "user"]
 ParseFn = Callable[[Path, Path], tuple[Manifest | None, list[Problem]]]
-
-
-@dataclass(frozen=True)
-class Tool:
-    manifest: Manifest
-    dir: Path
-    entry: Path
-    source: Source
-
-    @property
-    def name(self) -> str:
-        return self.manifest.name
-
-    @cached_property
-    def schema(self) -> dict[str, Any]:
-        """The inputSchema; shared, so treat it as read-only (to_protocol hands out copies)."""
-        return input_schema(self.manifest)
-
-    @cached_property
-    def protocol_bytes(self) -> int:
-        """The size of this tool's Tool object in a tools/list answer."""
-        return len(json.dumps(self.to_protocol(), ensure_ascii=False).encode())
-
-    def to_protocol(self) -> dict[str, Any]:
-        """The Tool object of docs/protocol.md's tools/list, keys in the spec's order."""
-        manifest = self.manifest
-        return {
-            "name": manifest.name,
-            "label": manifest.label,
-            "description": manifest.description,
-            "version": manifest.version,
-            "language": manifest.language,
-            "source": self.source,
-            "inputSchema": copy.deepcopy(self.schema),
-            "documentation": manifest.body,
-        }
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A directory that is not a usable tool, and why."""
-
-    dir: Path
-    source: Source
-    problems: list[Problem]
 
 
 def _parse(manifest_path: Path, root: Path) -> tuple[Manifest | None, list[Problem]]:
@@ -185,78 +137,17 @@ class _Parsed:
     result: tuple[Manifest | None, list[Problem]]
 
 
-# File timestamps come from a coarse clock (the kernel's tick; whole seconds on some
-# filesystems), so a change made within one step of that clock after a scan may leave
-# every timestamp as the scan saw it. A root holding anything changed within the window
-# before its scan is scanned again at every listing until the window has passed ("racy
-# git"). The window is per file: a ctime with a sub-second part comes from a filesystem
-# that keeps fractions, whose clock steps by a tick (≤ 10 ms); only whole-second
-# timestamps need the long window. (ctime is set by the kernel, so no tool can forge it.)
-_RACY_WINDOW_NS = 2_000_000_000  # whole-second timestamps (FAT's are 2 s)
-_RACY_WINDOW_FINE_NS = 50_000_000  # sub-second timestamps: five ticks at HZ=100
-_StatKey = tuple[int, int, int, int, int, int] | None
-
-
-def _stat_key(path: str) -> _StatKey:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_mode)
-
-
 # get() (every tools/call) checks the root's entry list and the called tool's own
 # files; the rest of the root (another TOOL.md renamed in place to the same name)
 # is checked fully at least this often. tools() always checks everything.
 _FULL_CHECK_INTERVAL_S = 1.0
 
 
-def _entry_keys(root: str, name: str) -> tuple[_StatKey, ...]:
-    """What a scan reads in one entry: TOOL.md and the first of ENTRY_FILES that is a regular file."""
-    tool_dir = f"{root}/{name}"
-    keys = [_stat_key(f"{tool_dir}/{MANIFEST_FILE}")]
-    for entry in ENTRY_FILES:
-        key = _stat_key(f"{tool_dir}/{entry}")
-        keys.append(key)
-        if key is not None and stat.S_ISREG(key[5]):
-            break
-    return tuple(keys)
-
-
-@dataclass(frozen=True)
-class _Fingerprint:
-    """What a scan of a root depends on, in stat results.
-
-    Adding, removing or renaming an entry changes the root's mtime. The files' own
-    stats (links followed) show an edit in place, a replacement, a file that appears
-    or goes, and a dangling link whose target appears. (Not seen: a dangling link to
-    a directory whose target appears empty, which changes only a diagnostic.)
-    """
-
-    root: _StatKey
-    entries: dict[str, tuple[_StatKey, ...]]
-
-    @classmethod
-    def take(cls, root: str, names: list[str]) -> _Fingerprint:
-        return cls(_stat_key(root), {name: _entry_keys(root, name) for name in names})
-
-    def racy(self, scanned_at_ns: int) -> bool:
-        keys = [self.root, *(key for keys in self.entries.values() for key in keys)]
-        return any(key is not None and _racy(key, scanned_at_ns) for key in keys)
-
-
-def _racy(key: tuple[int, int, int, int, int, int], scanned_at_ns: int) -> bool:
-    """Whether a change just after the scan could have left this stat as the scan saw it."""
-    mtime_ns, ctime_ns = key[3], key[4]
-    window = _RACY_WINDOW_FINE_NS if ctime_ns % 1_000_000_000 else _RACY_WINDOW_NS
-    return max(mtime_ns, ctime_ns) >= scanned_at_ns - window
-
-
 @dataclass(eq=False)
 class _Snapshot:
     """The last full scan of a root, trusted while the root's fingerprint is unchanged."""
 
-    fingerprint: _Fingerprint
+    fingerprint: freshness.Fingerprint
     racy: bool
     tools: list[Tool]
     skipped: list[Skipped]
@@ -265,14 +156,14 @@ class _Snapshot:
     scanned_at: float  # time.monotonic() just before the scan listed the root
 
     def unchanged(self, root: Path) -> bool:
-        return _Fingerprint.take(str(root), list(self.fingerprint.entries)) == self.fingerprint
+        return freshness.Fingerprint.take(str(root), list(self.fingerprint.entries)) == self.fingerprint
 
     def holds_for(self, root: Path, name: str) -> bool:
         """The cheap check behind get(): the root's entry list, and the files of the tool called ``name``."""
-        if _stat_key(str(root)) != self.fingerprint.root:
+        if freshness.stat_key(str(root)) != self.fingerprint.root:
             return False
         tool = self.by_name.get(name)
-        return tool is None or _entry_keys(str(root), tool.dir.name) == self.fingerprint.entries.get(tool.dir.name)
+        return tool is None or freshness.entry_keys(str(root), tool.dir.name) == self.fingerprint.entries.get(tool.dir.name)
 
 
 _SCAN_WORKERS = 4  # one scan per root at a time, so one hostile root takes at most one of these
@@ -369,7 +260,7 @@ class ToolCatalog:
         Equal to an earlier one unless a tool was added, removed or edited since: tools/watch
         compares them. Runs on the calling thread; the daemon calls it from a worker.
         """
-        return _Fingerprint.take(str(root), self._root_entries(root, source)[0])
+        return freshness.Fingerprint.take(str(root), self._root_entries(root, source)[0])
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -453,7 +344,7 @@ class ToolCatalog:
             names, problems = self._root_entries(root, source)
             if self._watcher is not None:
                 self._arm(root, source, names)
-            fingerprint = _Fingerprint.take(str(root), names)
+            fingerprint = freshness.Fingerprint.take(str(root), names)
             tools, skipped, complete = self._scan_root_fully(root, source, names)
             if problems:
                 skipped.insert(0, Skipped(root, source, problems))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.errors import InvalidParams
-from sandboxd.tools import discovery, inotify
+from sandboxd.tools import discovery, freshness, inotify
 from sandboxd.tools.discovery import Skipped, Tool, ToolCatalog
 
 USER = "alice@example.com"
@@ -307,8 +307,8 @@ def test_listing_from_many_threads_gives_one_answer(data: Path) -> None:
 
 
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 0)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_FINE_NS", 0)
 
 
 @pytest.fixture
@@ -387,8 +387,8 @@ def test_a_dangling_entry_link_that_gets_a_target_is_seen(data: Path, scan_count
 def test_a_root_changed_within_the_racy_window_is_scanned_every_time(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Timestamps from a coarse clock cannot tell two changes within one tick apart: until
     # the window has passed since the last change, nothing of that root is trusted.
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 3600 * 10**9)
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 3600 * 10**9)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_NS", 3600 * 10**9)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_FINE_NS", 3600 * 10**9)
     write_tool(global_root(data), "a")
     catalog = ToolCatalog(data)
     catalog.tools()
@@ -409,13 +409,13 @@ def test_the_racy_window_is_short_for_sub_second_timestamps_only() -> None:
     # in one second apart; a filesystem that keeps fractions steps by a kernel tick.
     scan_ns = 1_700_000_010 * 10**9
     whole_second = 1_700_000_009 * 10**9  # 1 s before the scan, no fraction
-    assert discovery._racy(key_changed_at(whole_second), scan_ns)
-    assert not discovery._racy(key_changed_at(whole_second - 3 * 10**9), scan_ns)
-    assert not discovery._racy(key_changed_at(whole_second + 1), scan_ns)  # a fraction, 1 s old
-    assert discovery._racy(key_changed_at(scan_ns - 10_000_000), scan_ns)  # a fraction, one tick old
-    assert discovery._racy(key_changed_at(scan_ns + 500_000_123), scan_ns)  # from the future: never trusted
+    assert freshness.racy_key(key_changed_at(whole_second), scan_ns)
+    assert not freshness.racy_key(key_changed_at(whole_second - 3 * 10**9), scan_ns)
+    assert not freshness.racy_key(key_changed_at(whole_second + 1), scan_ns)  # a fraction, 1 s old
+    assert freshness.racy_key(key_changed_at(scan_ns - 10_000_000), scan_ns)  # a fraction, one tick old
+    assert freshness.racy_key(key_changed_at(scan_ns + 500_000_123), scan_ns)  # from the future: never trusted
     # The ctime decides (the kernel sets it; a tool can set its mtime to a whole second).
-    assert discovery._racy((1, 2, 3, whole_second - 5 * 10**9, whole_second, 0o100644), scan_ns)
+    assert freshness.racy_key((1, 2, 3, whole_second - 5 * 10**9, whole_second, 0o100644), scan_ns)
 
 
 def test_a_root_written_just_now_is_trusted_once_the_short_window_has_passed(
@@ -473,8 +473,8 @@ def test_get_checks_only_the_called_tool_between_full_checks(data: Path, scan_co
     catalog = ToolCatalog(data)
     catalog.tools(USER)
     stats: list[str] = []
-    real = discovery._stat_key
-    monkeypatch.setattr(discovery, "_stat_key", lambda path: (stats.append(path), real(path))[1])
+    real = freshness.stat_key
+    monkeypatch.setattr(freshness, "stat_key", lambda path: (stats.append(path), real(path))[1])
     assert catalog.get("a", USER) is not None
     # The user's root (missing), the global root, a's TOOL.md and index.ts: nothing of b.
     assert len(stats) == 4 and not any("/b/" in path for path in stats)
@@ -493,8 +493,8 @@ def stat_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Paths the stat checks look at (none while inotify vouches for a root); no racy window."""
     no_racy_window(monkeypatch)
     stats: list[str] = []
-    real = discovery._stat_key
-    monkeypatch.setattr(discovery, "_stat_key", lambda path: (stats.append(path), real(path))[1])
+    real = freshness.stat_key
+    monkeypatch.setattr(freshness, "stat_key", lambda path: (stats.append(path), real(path))[1])
     return stats
 
 

@@ -499,10 +499,10 @@ def test_a_tool_added_after_a_listing_is_callable_at_once(tmp_path: Path) -> Non
 
 
 def test_warm_calls_scan_nothing(tmp_path: Path, monkeypatch: Any) -> None:
-    from sandboxd.tools import discovery
+    from sandboxd.tools import discovery, freshness
 
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_NS", 0)
-    monkeypatch.setattr(discovery, "_RACY_WINDOW_FINE_NS", 0)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(freshness, "RACY_WINDOW_FINE_NS", 0)
     scans: list[Path] = []
     real = discovery.ToolCatalog._scan
 

@@ -1,0 +1,62 @@
+"""A tool as the daemon knows it: its parsed TOOL.md, its folder and entry file, and where it came from."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from sandboxd.tools.manifest import Manifest
+from sandboxd.tools.problem import Problem
+from sandboxd.tools.schema import input_schema
+
+ENTRY_FILES = ("index.ts", "index.js")  # in order of preference
+Source = Literal["global", "user"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    manifest: Manifest
+    dir: Path
+    entry: Path
+    source: Source
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @cached_property
+    def schema(self) -> dict[str, Any]:
+        """The inputSchema; shared, so treat it as read-only (to_protocol hands out copies)."""
+        return input_schema(self.manifest)
+
+    @cached_property
+    def protocol_bytes(self) -> int:
+        """The size of this tool's Tool object in a tools/list answer."""
+        return len(json.dumps(self.to_protocol(), ensure_ascii=False).encode())
+
+    def to_protocol(self) -> dict[str, Any]:
+        """The Tool object of docs/protocol.md's tools/list, keys in the spec's order."""
+        manifest = self.manifest
+        return {
+            "name": manifest.name,
+            "label": manifest.label,
+            "description": manifest.description,
+            "version": manifest.version,
+            "language": manifest.language,
+            "source": self.source,
+            "inputSchema": copy.deepcopy(self.schema),
+            "documentation": manifest.body,
+        }
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A directory that is not a usable tool, and why."""
+
+    dir: Path
+    source: Source
+    problems: list[Problem]
