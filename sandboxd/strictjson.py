@@ -6,6 +6,9 @@ breaks every comparison made with it. Whatever a client or a sandbox sends is
 read through ``loads``; a ValueError means "not JSON". ``loads(..., unique_keys=True)``
 also refuses an object with the same key twice (DuplicateKey, still a ValueError):
 parsers disagree on which value wins, so a proxy in front could be fooled.
+
+``dumps_line`` writes one message as a line of compact UTF-8 JSON, with orjson: a
+tenth of the stdlib's CPU, and every message out of the daemon is one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 import math
 import sys
 from typing import Any
+
+import orjson
 
 
 # The largest integer a double holds: a larger one is Infinity to a JavaScript client, so no
@@ -59,3 +64,15 @@ def loads(data: str | bytes, *, unique_keys: bool = False) -> Any:
     if data.startswith("\ufeff"):  # what json.loads refuses and JSONDecoder.decode would not
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", data, 0)
     return (_UNIQUE_KEYS_DECODER if unique_keys else _DECODER).decode(data)
+
+
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
+def dumps_line(message: Any) -> bytes:
+    """``message`` as compact JSON and a newline. What orjson refuses (a lone surrogate from a
+    tool's output, an integer past 64 bits) is written by the stdlib, every non-ASCII escaped."""
+    try:
+        return orjson.dumps(message, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return _ASCII_ENCODER.encode(message).encode() + b"\n"

@@ -16,7 +16,6 @@ back-pressure every one (``InFlight``: a tools/call's ``CallContext``).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Callable, Coroutine, Mapping, NamedTuple, Protocol, Union
 
 from sandboxd import strictjson
@@ -56,17 +55,7 @@ class Later(NamedTuple):
 Method = Callable[[Any, Any], Union[Result, Later]]  # (request id, params)
 
 
-# Made once: json.dumps with any option builds a new encoder per call (every message out).
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    data = _ENCODER.encode(message)
-    try:
-        return data.encode() + b"\n"
-    except UnicodeEncodeError:  # lone surrogates from a tool's output: escape them
-        return _ASCII_ENCODER.encode(message).encode() + b"\n"
+encode = strictjson.dumps_line  # one message, one line
 
 
 def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
