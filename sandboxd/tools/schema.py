@@ -75,8 +75,7 @@ def validate_arguments(schema: dict[str, Any], arguments: object, *, tool: str |
     if not isinstance(arguments, dict):
         raise _invalid(tool, [Violation(None, f"arguments must be an object, got {_json_type(arguments)}")])
     properties: dict[str, dict[str, Any]] = schema.get("properties", {})
-    required = set(schema.get("required", ()))
-    secret = sensitive_names(schema)
+    required = schema.get("required", ())
     violations: list[Violation] = []
     result: dict[str, Any] = {}
 
@@ -91,10 +90,10 @@ def validate_arguments(schema: dict[str, Any], arguments: object, *, tool: str |
             continue
         coerced = coerce(value, prop["type"])
         if coerced is _INVALID:  # the value is shown only here: encoding it on every call cost as much as the check
-            shown = f"a {_json_type(value)}" if name in secret else _show(value)
+            shown = f"a {_json_type(value)}" if prop.get("writeOnly") else _show(value)
             violations.append(Violation(name, f"{_quote(name)} must be {_a(prop['type'])}, got {shown}"))
         elif "enum" in prop and coerced not in prop["enum"]:
-            shown = "another value" if name in secret else _show(coerced)
+            shown = "another value" if prop.get("writeOnly") else _show(coerced)
             violations.append(Violation(name, f"{_quote(name)} must be one of {_choices(prop)}, got {shown}"))
         else:
             result[name] = coerced

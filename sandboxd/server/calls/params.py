@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -12,8 +13,12 @@ from sandboxd.errors import InvalidParams
 from sandboxd.sandbox.backend import reserved_env
 from sandboxd.server.rpc import is_request_id
 from sandboxd.tools.discovery import Tool, ToolCatalog
-from sandboxd.tools.schema import sensitive_names, validate_arguments
+from sandboxd.tools.schema import validate_arguments
 from sandboxd.users import check_user
+
+# A generated toolCallId: unique within this daemon's life, random across its starts
+# (a counter: a read of the kernel's random source per call cost more than the rest of this check).
+_GENERATED_IDS = (f"call_{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 
 
 @dataclass
@@ -26,7 +31,9 @@ class CallParams:
     timeout_s: float
 
     def secrets(self) -> list[Any]:
-        names = sensitive_names(self.tool.schema)
+        names = self.tool.sensitive
+        if not names:  # the common tool: nothing of its arguments is secret
+            return list(self.env.values())
         return list(self.env.values()) + [v for k, v in self.arguments.items() if k in names]
 
 
@@ -56,7 +63,7 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     arguments = validate_arguments(tool.schema, {} if arguments is None else arguments, tool=tool.name)
     tool_call_id = params.get("toolCallId")
     if tool_call_id is None:
-        tool_call_id = f"call_{secrets.token_hex(8)}"
+        tool_call_id = next(_GENERATED_IDS)
     elif not isinstance(tool_call_id, str) or not tool_call_id or len(tool_call_id) > 256:
         raise InvalidParams("'toolCallId' must be a non-empty string of at most 256 characters.")
     env = _check_env(params.get("env"), config.calls.allowed_env, config.egress.secrets)
