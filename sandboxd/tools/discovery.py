@@ -219,8 +219,11 @@ class ToolCatalog:
 
         A scan that started at or after ``since`` (when the request arrived) is trusted as it is.
         """
-        for root, _ in reversed(self._roots(user)):
-            snapshot = self._trusted(root, name, since)
+        roots = self._roots(user)
+        # One read of the inotify queue for all of the user's roots.
+        clean = self._watcher.clean(root for root, _ in roots) if self._watcher is not None else ()
+        for root, _ in reversed(roots):
+            snapshot = self._trusted(root, name, since, watched_clean=root in clean)
             if snapshot is None:
                 raise ScanNeeded(root)
             tool = snapshot.by_name.get(name)
@@ -306,8 +309,10 @@ class ToolCatalog:
             self._roots_by_user[user] = roots
         return roots
 
-    def _trusted(self, root: Path, wanted: str | None, since: float | None) -> _Snapshot | None:
-        """The root's last scan if the cheap stat checks say it still holds, else None."""
+    def _trusted(self, root: Path, wanted: str | None, since: float | None, *,
+                 watched_clean: bool = False) -> _Snapshot | None:
+        """The root's last scan if the cheap stat checks say it still holds, else None.
+        ``watched_clean``: the watcher says no event touched ``root`` since its scan."""
         snapshot = self._snapshots.get(root)
         if snapshot is None:
             return None
@@ -315,7 +320,7 @@ class ToolCatalog:
             return snapshot
         if snapshot.racy:
             return None
-        if wanted is not None and self._watcher is not None and self._watcher.unchanged(root):
+        if wanted is not None and watched_clean:
             return snapshot  # watched since its scan and no event touched it; else the stat checks decide
         now = time.monotonic()
         if wanted is not None and now - snapshot.verified_at < _FULL_CHECK_INTERVAL_S:
@@ -327,7 +332,8 @@ class ToolCatalog:
 
     def _snapshot(self, root: Path, source: Source, *, wanted: str | None = None) -> _Snapshot:
         """The root's tools: the last scan while its fingerprint holds, else a new scan."""
-        return self._trusted(root, wanted, None) or self._scan(root, source)
+        watched_clean = wanted is not None and self._watcher is not None and self._watcher.unchanged(root)
+        return self._trusted(root, wanted, None, watched_clean=watched_clean) or self._scan(root, source)
 
     def _root_lock(self, root: Path) -> threading.Lock:
         with self._locks_lock:

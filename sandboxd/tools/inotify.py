@@ -96,9 +96,13 @@ class RootWatcher:
 
     def unchanged(self, root: Path) -> bool:
         """``root`` is watched and no event touched it since its scan (one read of the queue, usually empty)."""
+        return bool(self.clean((root,)))
+
+    def clean(self, roots: Iterable[Path]) -> set[Path]:
+        """Those of ``roots`` watched and untouched since their scans, for one read of the queue."""
         with self._lock:
             self._drain()
-            return root in self._clean
+            return {root for root in roots if root in self._clean}
 
     def forget(self, root: Path) -> None:
         with self._lock:
