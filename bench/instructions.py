@@ -2,22 +2,20 @@
 
 CPU µs per call move with whatever else runs (on a shared 2-core machine, by half between
 runs); the instructions the daemon executes for the same calls do not. Here the daemon runs
-under valgrind's callgrind (perf's counters are not exposed in most VMs): it is told to dump
-its count just before and just after ``calls`` warm hello calls, and again after as many
-seconds of quiet, so that what the idle daemon does meanwhile (timers, slowed ~50× under
-valgrind) is taken out. Beside it, the same calls' CPU µs on a daemon not under valgrind.
+under valgrind's callgrind (bench/callgrind.py): it is told to dump its count just before and
+just after ``calls`` warm hello calls, and again after as many seconds of quiet, so that what
+the idle daemon does meanwhile (timers, slowed ~50× under valgrind) is taken out. Beside it,
+the same calls' CPU µs on a daemon not under valgrind, and both figures of the daemon's floor:
+a bare uvloop server answering the same calls (bench/cpu_floor.py).
 """
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+from bench import callgrind, cpu_floor
 from bench.daemon import BenchDaemon, sequential_calls
 from bench.load import daemon_call_line, process_cpu
 
@@ -28,40 +26,18 @@ from bench.load import daemon_call_line, process_cpu
 # user's folders a second while they call moved the count by 5% between runs).
 SLOW_CONFIG = ("pool:\n  start_timeout_ms: 600000\n  acquire_timeout_ms: 600000\ncalls:\n  default_timeout_ms: 600000\n"
                "log_rate: 0.001\nlog_burst: 1\nstorage:\n  enforcement: 'off'\n")
-_SUMMARY = re.compile(rb"^summary:\s+(\d+)", re.M)
-_TRIGGER = re.compile(rb"^desc: Trigger: (.*)$", re.M)
-
-
-def available() -> str | None:
-    """Why instructions cannot be counted here, or None if they can."""
-    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} not found: apt-get install valgrind" if missing else None
-
-
-def _dumps(directory: Path) -> dict[str, int]:
-    """Instructions of each callgrind dump in ``directory``, by its trigger ("dump <label>")."""
-    out = {}
-    for path in directory.glob("callgrind.out*"):
-        data = path.read_bytes()
-        trigger, summary = _TRIGGER.search(data), _SUMMARY.search(data)
-        if trigger and summary:
-            out[trigger.group(1).decode().removeprefix("dump ").strip()] = int(summary.group(1))
-    return out
-
-
-def _dump(pid: int, label: str) -> None:
-    # callgrind_control reaches the process through vgdb; each dump also zeroes the counters.
-    subprocess.run(["callgrind_control", "--dump=" + label, str(pid)], check=True, capture_output=True, timeout=120)
+# The daemon's CPU is measured in rounds alternating with the floor's, so that both share the machine's state:
+# the floor's CPU per call alone moved 27-67 µs between runs minutes apart (a busy sibling core slows both).
+CPU_ROUNDS = 5
 
 
 def count(root: Path, config_yaml: str, user: str, calls: int, warmup: int,
           say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Instructions the daemon executes per warm hello call (idle cost taken out), under callgrind."""
     out_dir = Path(tempfile.mkdtemp(prefix="sbd-callgrind-"))
-    daemon = BenchDaemon(root, config_yaml + SLOW_CONFIG, fresh_tools=0, command_prefix=[
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir}/callgrind.out", "--dump-instr=no"],
-        # A random hash seed lays out sets and dicts anew at each start, and moves the count by ~2%.
-        environ={"PYTHONHASHSEED": "0"})
+    daemon = BenchDaemon(root, config_yaml + SLOW_CONFIG, fresh_tools=0, command_prefix=callgrind.callgrind_prefix(out_dir),
+                         # A random hash seed lays out sets and dicts anew at each start, and moves the count by ~2%.
+                         environ={"PYTHONHASHSEED": "0"})
     try:
         say("  starting the daemon under callgrind (about a minute)")
         daemon.start(timeout=900)
@@ -70,28 +46,20 @@ def count(root: Path, config_yaml: str, user: str, calls: int, warmup: int,
             template = daemon_call_line(user)
             sequential_calls(conn, template, warmup)  # the sandbox starts, hello loads, every code path is warm
             daemon.settle(timeout=600)
-            _dump(daemon.pid, "before")
-            started = time.monotonic()
-            sequential_calls(conn, template, calls, first_id=warmup + 1)
-            window_s = time.monotonic() - started
-            _dump(daemon.pid, "calls")
-            time.sleep(window_s)
-            _dump(daemon.pid, "idle")
+            window_s = callgrind.counted_window(
+                daemon.pid, lambda: sequential_calls(conn, template, calls, first_id=warmup + 1))
         finally:
             conn.close()
     finally:
         daemon.stop(timeout=600)
         _remove_leftovers(daemon)
-    counts = _dumps(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    if "calls" not in counts or "idle" not in counts:
-        raise RuntimeError(f"callgrind wrote no dumps for the window (found {sorted(counts)}); is vgdb usable here?")
-    return {"calls": calls, "instructions_per_call": (counts["calls"] - counts["idle"]) / calls,
-            "idle_instructions_per_call": counts["idle"] / calls, "window_s": window_s}
+    return callgrind.per_call_counts(out_dir, calls, window_s)
 
 
-def cpu_per_call(root: Path, config_yaml: str, user: str, calls: int, warmup: int) -> float:
-    """The same calls' daemon CPU in µs per call, not under valgrind (moves with the machine's load)."""
+def cpu_per_call(root: Path, config_yaml: str, user: str, calls: int, warmup: int,
+                 floor: cpu_floor.CpuFloor | None = None) -> dict[str, Any]:
+    """The same calls' daemon CPU in µs per call, not under valgrind (moves with the machine's load), in
+    rounds alternating with ``floor``'s requests; with a floor, its CPU µs per call in those rounds too."""
     daemon = BenchDaemon(root, config_yaml, fresh_tools=0)
     daemon.start()
     try:
@@ -100,9 +68,21 @@ def cpu_per_call(root: Path, config_yaml: str, user: str, calls: int, warmup: in
             template = daemon_call_line(user)
             sequential_calls(conn, template, warmup)
             daemon.settle()
-            cpu0 = process_cpu(daemon.pid)
-            sequential_calls(conn, template, calls, first_id=warmup + 1)
-            return 1e6 * (process_cpu(daemon.pid) - cpu0) / calls
+            chunk = max(1, calls // CPU_ROUNDS)
+            daemon_s, floor_s, floor_calls, next_id = 0.0, 0.0, 0, warmup + 1
+            for _ in range(CPU_ROUNDS):
+                if floor is not None:
+                    requests = max(chunk, cpu_floor.MIN_CPU_REQUESTS // CPU_ROUNDS)
+                    floor_s += floor.cpu_seconds(requests)
+                    floor_calls += requests
+                cpu0 = process_cpu(daemon.pid)
+                sequential_calls(conn, template, chunk, first_id=next_id)
+                daemon_s += process_cpu(daemon.pid) - cpu0
+                next_id += chunk
+            out = {"daemon_cpu_us_per_call": 1e6 * daemon_s / (chunk * CPU_ROUNDS)}
+            if floor is not None:
+                out["floor_cpu_us_per_call"] = 1e6 * floor_s / floor_calls
+            return out
         finally:
             conn.close()
     finally:
@@ -126,19 +106,23 @@ def _remove_leftovers(daemon: BenchDaemon) -> None:
 def per_call(root: Path, run_id: str, image: str, *, calls: int, cpu_calls: int, docker: bool,
              say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Instructions and CPU µs per warm call on the fake backend (the daemon alone) and, with
-    ``docker``, through a real sandbox."""
+    ``docker``, through a real sandbox; each beside the floor's (a bare uvloop server's)."""
     out: dict[str, Any] = {}
-    why = available()
+    why = callgrind.available()
     if why is not None:
         return {"skipped": why}
     paths = {"fake": "backend: fake\n"}
     if docker:
         paths["docker"] = f"sandbox:\n  image: {image}\n"
-    for path, config in paths.items():
-        user = f"instr-{path}-{run_id}@bench.example"
-        say(f"instructions per warm call, {path} backend ({calls} calls under callgrind)")
-        row = count(root / f"{path}-callgrind", config, user, calls, warmup=200, say=say)
-        say(f"daemon CPU per warm call, {path} backend ({cpu_calls} calls)")
-        row["daemon_cpu_us_per_call"] = cpu_per_call(root / f"{path}-cpu", config, user, cpu_calls, warmup=500)
-        out[path] = row
+    with cpu_floor.CpuFloor() as floor:
+        for path, config in paths.items():
+            user = f"instr-{path}-{run_id}@bench.example"
+            say(f"instructions per warm call, {path} backend ({calls} calls under callgrind)")
+            row = count(root / f"{path}-callgrind", config, user, calls, warmup=200, say=say)
+            say(f"daemon CPU per warm call, {path} backend ({cpu_calls} calls in {CPU_ROUNDS} rounds, "
+                f"alternating with the floor's)")
+            row.update(cpu_per_call(root / f"{path}-cpu", config, user, cpu_calls, warmup=500, floor=floor))
+            out[path] = row
+    say(f"the daemon's floor under callgrind: a bare uvloop server, one task per call ({calls} calls)")
+    out["floor"] = cpu_floor.count(calls, warmup=200)
     return out

@@ -132,11 +132,13 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         c = ratio(cold.get("p50_ms"), create.get("p50_ms"))
         out.append(("first call of a new user (cold), p50", _ms(cold.get("p50_ms")),
                     f"create→attach→start→reply {_ms(create.get('p50_ms'))}", _x(c), "≤ 1.3× floor",
-                    _check(c is not None and c <= 1.3)))
+                    _check(None if c is None else c <= 1.3)))  # no floor (--skip floors): nothing to judge
     listed = d.get("listed", {})
     if listed:
+        # Issue 37's target: the listing warmed the user's sandbox, so the call pays only the tool's first load.
         out.append(("first call of a new user after their session's tools/list (warmed), p50", _ms(listed.get("p50_ms")),
-                    f"cold first call {_ms(cold.get('p50_ms'))}", _x(ratio(listed.get("p50_ms"), cold.get("p50_ms"))), "", "—"))
+                    f"cold first call {_ms(cold.get('p50_ms'))}", _x(ratio(listed.get("p50_ms"), cold.get("p50_ms"))),
+                    "≤ 5 ms", _check(listed.get("p50_ms", 1e9) <= 5)))
     waits = [w for w in cold.get("queue_ms", []) if w is not None]
     if waits:
         out.append(("… of it waiting for the sandbox to start (daemon's queue_ms), median", _ms(sorted(waits)[len(waits) // 2]),
@@ -220,7 +222,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         tp = over["throughput"]
         out.append((f"sandboxd alone (fake backend): throughput, {tp['clients']} clients", f"{tp['calls_per_s']:,.0f} calls/s",
                     f"daemon CPU {tp['cpu']['daemon_cpu_us_per_call']:.0f} µs/call", "", "", "—"))
-    out += _instruction_rows(r.get("instructions", {}))
+    out += _instruction_rows(r.get("instructions", {}), r.get("machine", {}).get("cpu", "?"))
     return out
 
 
@@ -228,19 +230,26 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
 _CPU_TARGET_US = {"fake": 50, "docker": 100}
 
 
-def _instruction_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
-    """Instructions per warm call (callgrind: steady on a busy machine) beside the same calls' CPU µs."""
+def _instruction_rows(r: dict[str, Any], cpu_model: str) -> list[tuple[str, str, str, str, str, str]]:
+    """Instructions per warm call (callgrind: steady on a busy machine) and the same calls' CPU µs, each
+    beside the floor's: a bare uvloop server's for the same client loop (bench/cpu_floor.py)."""
     if "skipped" in r:
         return [("instructions per warm call", "skipped", r["skipped"], "", "", "—")]
+    floor_instr = r.get("floor", {}).get("instructions_per_call")
     out = []
     for path, what in (("fake", "fake backend: the daemon alone"), ("docker", "Docker: through a warm sandbox")):
         row = r.get(path)
         if row is None:
             continue
+        instr, cpu, floor_cpu = row["instructions_per_call"], row["daemon_cpu_us_per_call"], row.get("floor_cpu_us_per_call")
+        out.append((f"daemon instructions per warm call ({what})", f"{instr / 1000:,.0f}k",
+                    f"a bare uvloop server {floor_instr / 1000:,.0f}k" if floor_instr is not None else "",
+                    _x(ratio(instr, floor_instr)), "", "—"))
         target = _CPU_TARGET_US[path]
-        cpu = row["daemon_cpu_us_per_call"]
-        out.append((f"daemon instructions per warm call ({what})", f"{row['instructions_per_call'] / 1000:,.0f}k",
-                    f"daemon CPU {cpu:.0f} µs/call", "", f"CPU ≤ {target} µs", _check(cpu <= target)))
+        # The floor's CPU was sampled in rounds between these calls': the same machine state, the same CPU.
+        out.append(("… its daemon CPU per warm call", f"{cpu:.0f} µs",
+                    f"a bare uvloop server {floor_cpu:.0f} µs ({cpu_model})" if floor_cpu is not None else cpu_model,
+                    _x(ratio(cpu, floor_cpu)), f"≤ {target} µs", _check(cpu <= target)))
     return out
 
 
