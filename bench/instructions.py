@@ -27,7 +27,7 @@ from bench.load import daemon_call_line, process_cpu
 SLOW_CONFIG = ("pool:\n  start_timeout_ms: 600000\n  acquire_timeout_ms: 600000\ncalls:\n  default_timeout_ms: 600000\n"
                "log_rate: 0.001\nlog_burst: 1\nstorage:\n  enforcement: 'off'\n")
 # The daemon's CPU is measured in rounds alternating with the floor's, so that both share the machine's state:
-# the floor's CPU per call alone moved 27-67 µs between runs minutes apart (a busy sibling core slows both).
+# the floor's CPU per call alone moved 27-80 µs between runs minutes apart (a busy sibling core slows both).
 CPU_ROUNDS = 5
 
 
