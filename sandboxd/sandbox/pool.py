@@ -52,7 +52,7 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
-        self.config = config
+        self.config = config  # a reload sets it anew (see the setter)
         self._spec_for = spec_for
         self._clock = clock
         # The pool's whole mutable state:
@@ -71,6 +71,15 @@ class Pool:
         self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "killed": 0, "start_failures": 0}
         # Callers whose wait ran out, by why (REFUSAL_REASONS).
         self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
+
+    @property
+    def config(self) -> PoolConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: PoolConfig) -> None:
+        self._config = config
+        self._ceiling_slots = config.max_total - config.reserved  # read by every plan
 
     # -- the public surface -------------------------------------------------
 
@@ -133,7 +142,10 @@ class Pool:
             pooled.call_ended = True
             pooled.spent = (not reusable or not alive or pooled.generation != self._generation
                             or pooled.calls >= self.config.max_calls_per_sandbox)
-            self._replan(pooled.user)
+            if pooled.spent or self._waiters:
+                self._replan(pooled.user)
+            # Else nobody waits for it and nothing is to be done: it is settled idle by the next plan
+            # (its user's next call, or maintain's within a second); half the pool's work of a call.
 
     def retire_all(self) -> None:
         """New sandbox settings: replace idle sandboxes now, busy ones when their call ends."""
@@ -178,7 +190,7 @@ class Pool:
     def __repr__(self) -> str:
         counts = {state: 0 for state in State}
         for pooled in self._sandboxes:
-            counts[pooled.state] += 1
+            counts[pooled.current] += 1
         return (f"<Pool [starting: {counts[STARTING]}, idle: {counts[IDLE]}, "
                 f"busy: {counts[BUSY]}, stopping: {counts[STOPPING]}, waiting: {len(self._waiters)}]>")
 
@@ -191,11 +203,11 @@ class Pool:
 
     def _held(self) -> int:
         """Sandboxes held for calls in all (a walk of the pool: only where the pool is near its ceiling)."""
-        return sum(1 for pooled in self._sandboxes if pooled.state in HELD)
+        return sum(1 for pooled in self._sandboxes if pooled.current in HELD)
 
     def _ceiling(self) -> int:
         """How many sandboxes may be held in all before only users' first calls are served."""
-        return self.config.max_total - self.config.reserved
+        return self._ceiling_slots
 
     def _replan(self, user: str) -> None:
         """Plan after an event on ``user``'s sandboxes: theirs alone while nobody waits, else everything."""
@@ -244,10 +256,12 @@ class Pool:
                 plan.ready.append(pooled)
                 state, since = IDLE, now
             if state is IDLE:
-                kept = idle_of.setdefault(owner, [])
-                if self._retired(pooled, since, len(kept), now):  # 3
+                kept = idle_of.get(owner)
+                if self._retired(pooled, since, 0 if kept is None else len(kept), now):  # 3
                     plan.destroy.append(pooled)
                     counts.stopping += 1
+                elif kept is None:
+                    idle_of[owner] = [pooled]
                 else:
                     kept.append(pooled)
             elif state is BUSY:
@@ -396,7 +410,10 @@ class Pool:
     def _commit_waiters(self, plan: Plan) -> None:
         for _waiter, pooled in plan.hand:
             pooled.state, pooled.since = BUSY, plan.now
-        if plan.drop or plan.fail or plan.hand:
+        leaving = len(plan.drop) + len(plan.fail) + len(plan.hand)  # each a different one of _waiters
+        if leaving == len(self._waiters):
+            self._waiters.clear()  # all of them: the common call, its one caller served at once
+        elif leaving:
             gone = {*plan.drop, *(waiter for waiter, _ in plan.fail), *(waiter for waiter, _ in plan.hand)}
             self._waiters[:] = [waiter for waiter in self._waiters if waiter not in gone]
 
@@ -423,7 +440,7 @@ class Pool:
 
     def _count(self, user: str, *states: State) -> int:
         """The user's sandboxes in ``states``, counted afresh (a user has max_per_user at most)."""
-        return sum(1 for pooled in self._of_user.get(user, ()) if pooled.state in states)
+        return sum(1 for pooled in self._of_user.get(user, ()) if pooled.current in states)
 
     def _forget(self, pooled: PooledSandbox) -> None:
         self._sandboxes.remove(pooled)
@@ -478,7 +495,7 @@ class Pool:
 
     def _sandbox_died(self, pooled: PooledSandbox) -> None:
         """An idle sandbox died (engine restart, killed from outside): _plan sees it dead and replaces it."""
-        if pooled.state is IDLE:
+        if pooled.current is IDLE:
             self._replan(pooled.user)
         # A busy one is handled by its call, which sees the failure and releases it as not reusable.
 

@@ -47,6 +47,12 @@ class PooledSandbox:
         return self.sandbox is not None and self.sandbox.alive
 
     @property
+    def current(self) -> State:
+        """Its state once a call's end is settled: a released sandbox waits in BUSY for the next plan
+        (``Pool.release`` plans only when someone waits or it is spent), idle to anyone who asks."""
+        return IDLE if self.call_ended else self.state
+
+    @property
     def held_now(self) -> bool:
         """Busy or starting once its recorded events are settled (cases 1 and 2 of ``Pool._plan``)."""
         if self.state is BUSY:

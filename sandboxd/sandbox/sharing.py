@@ -225,8 +225,9 @@ def holdings(sandboxes: Iterable[PooledSandbox], waiters: Iterable[Waiter], conf
     users: dict[str, dict[str, int]] = {}
     for pooled in sandboxes:
         row = users.setdefault(pooled.user, dict.fromkeys(keys, 0))
-        row[pooled.state.value] += 1
-        if pooled.state in HELD:
+        state = pooled.current
+        row[state.value] += 1
+        if state in HELD:
             row["holding"] += 1
     for waiter in waiters:
         users.setdefault(waiter.user, dict.fromkeys(keys, 0))["waiting"] += 1

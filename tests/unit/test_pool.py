@@ -437,7 +437,9 @@ def test_a_warm_call_looks_at_its_own_users_sandboxes_only(monkeypatch: pytest.M
             pooled = await pool.acquire(users[7])
             assert pooled.user == users[7] and pooled.state is State.BUSY
             pool.release(pooled, reusable=True)
-        assert plans == [users[7]] * 20  # an acquire and a release each
+            # Settled idle by the next plan (nobody waits for it); idle to anyone who asks meanwhile.
+            assert pooled.state is State.BUSY and pool.status()["users"][users[7]]["idle"] == 2
+        assert plans == [users[7]] * 10  # an acquire each; a release that nobody waits on plans nothing
         # The user's spare is kept: their last idle one taken, the next starts at once.
         plans.clear()
         first, second = await pool.acquire(users[3]), await pool.acquire(users[3])
