@@ -18,7 +18,8 @@ from sandboxd.users import check_user
 
 # A generated toolCallId: unique within this daemon's life, random across its starts
 # (a counter: a read of the kernel's random source per call cost more than the rest of this check).
-_GENERATED_IDS = (f"call_{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
+_GENERATED_PREFIX = f"call_{secrets.token_hex(4)}"
+_GENERATED_IDS = (f"{_GENERATED_PREFIX}{n:08x}" for n in itertools.count())
 
 
 @dataclass

@@ -31,6 +31,8 @@ log = get_logger("sandboxd.calls")
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
                                              QuotaExceeded: "over_quota"}
+# A call without env has no secrets behind stand-ins (most calls).
+_NO_STAND_INS = StandIns()
 # A call without env or sensitive arguments registers nothing to mask in its log lines.
 _NO_SECRETS: contextlib.nullcontext[frozenset[str]] = contextlib.nullcontext(frozenset())
 # What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
@@ -118,7 +120,7 @@ class CallRunner:
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
         """What the shim is sent, and what the sandbox holds this call to."""
         # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
-        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets)
+        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets) if call.env else ({}, _NO_STAND_INS)
         calls = self.config.calls
         request = CallRequest(
             tool_call_id=call.tool_call_id,
