@@ -4,12 +4,15 @@ A bare server in its own process on uvloop (the daemon's loop), answering the be
 ``tools/call`` line as the daemon's hot path must at the least: the line parsed as JSON, one
 task per request (the daemon's dispatcher makes one, so that a call can be cancelled), the
 task awaiting a future that ``call_soon`` resolves (standing for the sandbox's answer), and a
-JSON-RPC result line of the daemon's shape written back. Its CPU µs and instructions per
+JSON-RPC result line of the daemon's shape written back. With ``--relay`` the future is
+instead resolved by a bare Node echo's answer (bench/echo.js, over a unix socket as the daemon
+talks to a sandbox's shim): the Docker path's floor, with its second wakeup, write and JSON
+decode per call. Their CPU µs and instructions per
 request, for the same client loop as the daemon's figures (bench/instructions.py, which samples
 its CPU in rounds between the daemon's), say how much of the daemon's cost is its own and how
 much any server on this machine would pay.
 
-    python -m bench.cpu_floor SOCKET    # the server alone; prints "ready" once it listens
+    python -m bench.cpu_floor SOCKET [--relay]   # the server alone; prints "ready" once it listens
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,15 +34,45 @@ from bench.load import daemon_call_line, process_cpu
 from bench.wire import LineSocket
 
 USER = "floor@bench.example"
+ECHO_JS = Path(__file__).resolve().parent / "echo.js"
 # The clock behind /proc/<pid>/stat ticks every 10 ms: at ~50 µs a request, 10,000 keep its rounding under 2%.
 MIN_CPU_REQUESTS = 10_000
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # made once, as the daemon's
 
 
+class _Echo(asyncio.Protocol):
+    """The relay's sandbox: a Node echo on the other end of a unix socket, answering requests by id."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._buffer = b""
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        for line in lines:
+            reply = json.loads(line)
+            self._waiting.pop(reply["id"]).set_result(reply["result"])
+
+    def call(self, arguments: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        assert self._transport is not None
+        self._next_id += 1
+        answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[self._next_id] = answered
+        self._transport.write(_ENCODER.encode({"jsonrpc": "2.0", "id": self._next_id, "method": "call",
+                                               "params": {"arguments": arguments}}).encode() + b"\n")
+        return answered
+
+
 class _Connection(asyncio.Protocol):
     """One client: lines in, a task per request, one result line out per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, echo: _Echo | None) -> None:
+        self._echo = echo
         self._transport: asyncio.Transport | None = None
         self._buffer = b""
         self._answering: set[asyncio.Task[None]] = set()  # strong references until each is done, as the daemon keeps
@@ -51,24 +85,35 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         for line in lines:
             request = json.loads(line)
-            task = loop.create_task(self._answer(request["id"], request["params"]["arguments"]["name"]))
+            task = loop.create_task(self._answer(request["id"], request["params"]["arguments"]))
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
 
-    async def _answer(self, request_id: Any, name: str) -> None:
+    async def _answer(self, request_id: Any, arguments: dict[str, Any]) -> None:
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        answered: asyncio.Future[str] = loop.create_future()
-        loop.call_soon(answered.set_result, f"Hello, {name}!")  # the sandbox's answer, one loop turn later
-        text = await answered
-        result = {"content": [{"type": "text", "text": text}], "isError": False, "status": "ok",
+        if self._echo is not None:
+            content = (await self._echo.call(arguments))["content"]
+        else:
+            loop = asyncio.get_running_loop()
+            answered: asyncio.Future[str] = loop.create_future()
+            loop.call_soon(answered.set_result, f"Hello, {arguments['name']}!")  # the sandbox's answer, a loop turn later
+            content = [{"type": "text", "text": await answered}]
+        result = {"content": content, "isError": False, "status": "ok",
                   "durationMs": round((time.monotonic() - started) * 1000)}
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(_ENCODER.encode({"jsonrpc": "2.0", "id": request_id, "result": result}).encode() + b"\n")
 
 
-async def _serve(path: str) -> None:
-    server = await asyncio.get_running_loop().create_unix_server(_Connection, path)
+async def _serve(path: str, relay: bool) -> None:
+    loop = asyncio.get_running_loop()
+    echo = None
+    if relay:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Node's stdin and stdout are the other end: it exits at EOF, when this process goes.
+        subprocess.Popen(["node", str(ECHO_JS)], stdin=theirs.fileno(), stdout=theirs.fileno())
+        theirs.close()
+        _, echo = await loop.connect_accepted_socket(_Echo, ours)
+    server = await loop.create_unix_server(lambda: _Connection(echo), path)
     print("ready", flush=True)
     await server.serve_forever()
 
@@ -76,10 +121,12 @@ async def _serve(path: str) -> None:
 class FloorServer:
     """The server in a process of its own while the context is entered (``command_prefix``: e.g. valgrind's)."""
 
-    def __init__(self, command_prefix: list[str] | None = None, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, command_prefix: list[str] | None = None, environ: dict[str, str] | None = None, *,
+                 relay: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="sbd-cpu-floor-")
         self.path = str(Path(self._dir.name) / "floor.sock")
-        self._command = [*(command_prefix or []), sys.executable, "-m", "bench.cpu_floor", self.path]
+        self._command = [*(command_prefix or []), sys.executable, "-m", "bench.cpu_floor", self.path,
+                         *(["--relay"] if relay else [])]
         self._environ = environ or {}
         self._process: subprocess.Popen[str] | None = None
 
@@ -112,9 +159,9 @@ class FloorServer:
 class CpuFloor:
     """The server (not under valgrind) and a warm connection to it, for CPU samples taken between the daemon's."""
 
-    def __init__(self, warmup: int = 500) -> None:
+    def __init__(self, warmup: int = 500, *, relay: bool = False) -> None:
         self._warmup = warmup
-        self._server = FloorServer()
+        self._server = FloorServer(relay=relay)
         self._conn: LineSocket | None = None
         self._next_id = 1
 
@@ -142,10 +189,10 @@ class CpuFloor:
         self._server.__exit__()
 
 
-def count(requests: int, warmup: int) -> dict[str, Any]:
+def count(requests: int, warmup: int, *, relay: bool = False) -> dict[str, Any]:
     """Instructions the server executes per request (idle taken out), under callgrind, as the daemon's are counted."""
     out_dir = Path(tempfile.mkdtemp(prefix="sbd-callgrind-floor-"))
-    with FloorServer(callgrind.callgrind_prefix(out_dir), environ={"PYTHONHASHSEED": "0"}) as server:
+    with FloorServer(callgrind.callgrind_prefix(out_dir), environ={"PYTHONHASHSEED": "0"}, relay=relay) as server:
         conn = LineSocket(server.path)
         try:
             template = daemon_call_line(USER)
@@ -161,4 +208,4 @@ if __name__ == "__main__":
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(sys.argv[1]))
+        runner.run(_serve(sys.argv[1], relay="--relay" in sys.argv[2:]))

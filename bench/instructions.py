@@ -6,7 +6,8 @@ under valgrind's callgrind (bench/callgrind.py): it is told to dump its count ju
 just after ``calls`` warm hello calls, and again after as many seconds of quiet, so that what
 the idle daemon does meanwhile (timers, slowed ~50× under valgrind) is taken out. Beside it,
 the same calls' CPU µs on a daemon not under valgrind, and both figures of the daemon's floor:
-a bare uvloop server answering the same calls (bench/cpu_floor.py).
+a bare uvloop server answering the same calls, through Docker relaying them to a Node echo
+(bench/cpu_floor.py).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def _remove_leftovers(daemon: BenchDaemon) -> None:
 def per_call(root: Path, run_id: str, image: str, *, calls: int, cpu_calls: int, docker: bool,
              say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Instructions and CPU µs per warm call on the fake backend (the daemon alone) and, with
-    ``docker``, through a real sandbox; each beside the floor's (a bare uvloop server's)."""
+    ``docker``, through a real sandbox; each beside its floor's (a bare uvloop server's, relaying to a
+    Node echo for the Docker path)."""
     out: dict[str, Any] = {}
     why = callgrind.available()
     if why is not None:
@@ -114,15 +116,17 @@ def per_call(root: Path, run_id: str, image: str, *, calls: int, cpu_calls: int,
     paths = {"fake": "backend: fake\n"}
     if docker:
         paths["docker"] = f"sandbox:\n  image: {image}\n"
-    with cpu_floor.CpuFloor() as floor:
-        for path, config in paths.items():
-            user = f"instr-{path}-{run_id}@bench.example"
-            say(f"instructions per warm call, {path} backend ({calls} calls under callgrind)")
-            row = count(root / f"{path}-callgrind", config, user, calls, warmup=200, say=say)
-            say(f"daemon CPU per warm call, {path} backend ({cpu_calls} calls in {CPU_ROUNDS} rounds, "
-                f"alternating with the floor's)")
+    for path, config in paths.items():
+        user = f"instr-{path}-{run_id}@bench.example"
+        say(f"instructions per warm call, {path} backend ({calls} calls under callgrind)")
+        row = count(root / f"{path}-callgrind", config, user, calls, warmup=200, say=say)
+        say(f"daemon CPU per warm call, {path} backend ({cpu_calls} calls in {CPU_ROUNDS} rounds, "
+            f"alternating with the floor's)")
+        relay = path == "docker"  # through Docker the daemon relays each call to a sandbox: its floor does too
+        with cpu_floor.CpuFloor(relay=relay) as floor:
             row.update(cpu_per_call(root / f"{path}-cpu", config, user, cpu_calls, warmup=500, floor=floor))
-            out[path] = row
-    say(f"the daemon's floor under callgrind: a bare uvloop server, one task per call ({calls} calls)")
-    out["floor"] = cpu_floor.count(calls, warmup=200)
+        say(f"the daemon's floor under callgrind: a bare uvloop server{' relaying to a Node echo' if relay else ''}, "
+            f"one task per call ({calls} calls)")
+        row["floor"] = cpu_floor.count(calls, warmup=200, relay=relay)
+        out[path] = row
     return out

@@ -235,20 +235,21 @@ def _instruction_rows(r: dict[str, Any], cpu_model: str) -> list[tuple[str, str,
     beside the floor's: a bare uvloop server's for the same client loop (bench/cpu_floor.py)."""
     if "skipped" in r:
         return [("instructions per warm call", "skipped", r["skipped"], "", "", "—")]
-    floor_instr = r.get("floor", {}).get("instructions_per_call")
     out = []
-    for path, what in (("fake", "fake backend: the daemon alone"), ("docker", "Docker: through a warm sandbox")):
+    for path, what, server in (("fake", "fake backend: the daemon alone", "a bare uvloop server"),
+                               ("docker", "Docker: through a warm sandbox", "a bare uvloop relay to a Node echo")):
         row = r.get(path)
         if row is None:
             continue
-        instr, cpu, floor_cpu = row["instructions_per_call"], row["daemon_cpu_us_per_call"], row.get("floor_cpu_us_per_call")
+        instr, cpu = row["instructions_per_call"], row["daemon_cpu_us_per_call"]
+        floor_instr, floor_cpu = row.get("floor", {}).get("instructions_per_call"), row.get("floor_cpu_us_per_call")
         out.append((f"daemon instructions per warm call ({what})", f"{instr / 1000:,.0f}k",
-                    f"a bare uvloop server {floor_instr / 1000:,.0f}k" if floor_instr is not None else "",
+                    f"{server} {floor_instr / 1000:,.0f}k" if floor_instr is not None else "",
                     _x(ratio(instr, floor_instr)), "", "—"))
         target = _CPU_TARGET_US[path]
         # The floor's CPU was sampled in rounds between these calls': the same machine state, the same CPU.
         out.append(("… its daemon CPU per warm call", f"{cpu:.0f} µs",
-                    f"a bare uvloop server {floor_cpu:.0f} µs ({cpu_model})" if floor_cpu is not None else cpu_model,
+                    f"{server} {floor_cpu:.0f} µs ({cpu_model})" if floor_cpu is not None else cpu_model,
                     _x(ratio(cpu, floor_cpu)), f"≤ {target} µs", _check(cpu <= target)))
     return out
 
