@@ -52,7 +52,7 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
-        self.config = config  # a reload sets it anew (see the setter)
+        self.config = config
         self._spec_for = spec_for
         self._clock = clock
         # The pool's whole mutable state:
@@ -71,15 +71,6 @@ class Pool:
         self.stats = {"started": 0, "destroyed": 0, "crashed": 0, "killed": 0, "start_failures": 0}
         # Callers whose wait ran out, by why (REFUSAL_REASONS).
         self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
-
-    @property
-    def config(self) -> PoolConfig:
-        return self._config
-
-    @config.setter
-    def config(self, config: PoolConfig) -> None:
-        self._config = config
-        self._ceiling_slots = config.max_total - config.reserved  # read by every plan
 
     # -- the public surface -------------------------------------------------
 
@@ -201,13 +192,9 @@ class Pool:
 
     # -- the decisions --------------------------------------------------------
 
-    def _held(self) -> int:
-        """Sandboxes held for calls in all (a walk of the pool: only where the pool is near its ceiling)."""
-        return sum(1 for pooled in self._sandboxes if pooled.current in HELD)
-
     def _ceiling(self) -> int:
         """How many sandboxes may be held in all before only users' first calls are served."""
-        return self._ceiling_slots
+        return self.config.max_total - self.config.reserved
 
     def _replan(self, user: str) -> None:
         """Plan after an event on ``user``'s sandboxes: theirs alone while nobody waits, else everything."""
@@ -432,8 +419,8 @@ class Pool:
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
         """Why ``user``'s wait ran out (sharing.refusal), counted by reason."""
-        reason, why = refusal(user, len(self._of_user.get(user, ())), self._count(user, *HELD), self._held(),
-                              self.config)
+        held_total = sum(1 for pooled in self._sandboxes if pooled.current in HELD)  # a walk: only on a refusal
+        reason, why = refusal(user, len(self._of_user.get(user, ())), self._count(user, *HELD), held_total, self.config)
         self.refusals[reason] += 1
         return Overloaded(f"no sandbox for {user} became free within {timeout:g} s: {why}; retry later.",
                           data={"pool": repr(self), "reason": reason})
