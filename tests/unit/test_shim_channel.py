@@ -121,7 +121,13 @@ def test_anything_while_no_call_runs_breaks_the_sandbox(stray: dict[str, Any]) -
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("garbage", [b"not json\n", b"[1, 2]\n", b'{"id": NaN, "result": {}}\n'])
+# Answers to the running call (id 1) that are not JSON as RFC 8259 has it: each would settle the call if read.
+_NOT_JSON = [b'{"jsonrpc":"2.0","id":1,"result":{"n":%b}}\n' % value for value in (
+    b"NaN", b"Infinity", b"-Infinity", b"1e400", b'"\xff"', b'"\xed\xa0\x80"', b"[" * 2000 + b"]" * 2000)]
+
+
+@pytest.mark.parametrize("garbage", [b"not json\n", b"[1, 2]\n", b'{"id": NaN, "result": {}}\n',
+                                     b'\xef\xbb\xbf{"jsonrpc":"2.0","id":1,"result":{}}\n', *_NOT_JSON])
 def test_protocol_breakage_fails_the_call(garbage: bytes) -> None:
     async def main() -> None:
         channel, _sent, _progress, future = started_call()
@@ -129,6 +135,17 @@ def test_protocol_breakage_fails_the_call(garbage: bytes) -> None:
         with pytest.raises(SandboxFailed):
             await future
         assert channel.closed is not None
+
+    asyncio.run(main())
+
+
+def test_an_escaped_lone_surrogate_in_a_result_is_read_as_before() -> None:
+    # orjson refuses it; the channel then asks strictjson, which reads it (the client gets it escaped).
+    async def main() -> None:
+        channel, _sent, _progress, future = started_call()
+        channel.feed(b'{"jsonrpc":"2.0","id":1,"result":{"status":"ok","content":[{"type":"text","text":"a\\ud800"}]}}\n')
+        assert (await future)["content"][0]["text"] == "a\ud800"
+        assert channel.closed is None
 
     asyncio.run(main())
 
