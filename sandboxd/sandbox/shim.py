@@ -34,6 +34,7 @@ from sandboxd.sandbox.backend import CallGuard, CallRequest, EgressCall, OutputL
 _log = get_logger("sandboxd.sandbox")
 
 SHIM_PROTOCOL = 2
+_NO_STAND_INS = StandIns()  # an idle sandbox's, and a call's without egress.secrets: one, never changed
 
 
 class ShimChannel:
@@ -223,7 +224,7 @@ class ShimSandbox:
         self._client_paused = False  # the running call's client reads no more
         self._refill: asyncio.TimerHandle | None = None
         self._running_tool: str | None = None
-        self._stand_ins = StandIns()  # the running call's; none while idle: a stand-in is worth nothing after its call
+        self._stand_ins = _NO_STAND_INS  # the running call's; none while idle: a stand-in is worth nothing after its call
         self._relay_port: int | None = None
         self._grant: CallGrant | None = None  # the running call's: ended when it is answered
 
@@ -241,11 +242,11 @@ class ShimSandbox:
         self.stderr_tail.clear()
         self._limits = guard.output_limits
         self._idle_output = 0
-        if len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
-            self._secrets |= guard.secrets
+        if guard.secrets and len(self._secrets) <= self.MAX_MASKED_SECRETS:  # past it, no text is logged (stderr_data)
+            self._secrets |= guard.secrets  # a new set: egress contexts handed out hold the old one
         future = self.channel.call(request, on_progress)
         self._running_tool = guard.tool or None
-        self._stand_ins = request.stand_ins or StandIns()
+        self._stand_ins = request.stand_ins or _NO_STAND_INS
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()
         future.add_done_callback(self._call_ended)
@@ -253,7 +254,7 @@ class ShimSandbox:
 
     def _call_ended(self, _future: asyncio.Future[dict[str, Any]]) -> None:
         self._running_tool = None
-        self._stand_ins = StandIns()
+        self._stand_ins = _NO_STAND_INS
         self._relay_port = None
         if self._grant is not None:  # a tunnel to the relay, a request with a secret: they end with the call
             self._grant.end()
