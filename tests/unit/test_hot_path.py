@@ -1,0 +1,55 @@
+"""What the warm call's cheaper steps must still do: the answer's encoder, the per-call metrics,
+the generated toolCallId (issue 37 made each of them cheaper; these keep them right)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+
+from sandboxd import strictjson
+from sandboxd.server.calls import params
+from sandboxd.service.metrics import CALL_SECONDS_BUCKETS, CallStats
+
+
+def test_an_answer_is_one_line_of_compact_utf8_json() -> None:
+    line = strictjson.dumps_line({"id": 1, "text": "héllo\nworld\u2028", "n": None, "ok": True, "f": 1.5})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1  # a newline in a string is escaped
+    assert line == '{"id":1,"text":"héllo\\nworld\u2028","n":null,"ok":true,"f":1.5}\n'.encode()
+
+
+def test_what_orjson_refuses_still_goes_out_escaped() -> None:
+    # A lone surrogate (a tool's broken output) and an integer past 64 bits: the stdlib writes them.
+    line = strictjson.dumps_line({"text": "a\ud800b", "big": 2**70, "é": "é"})
+    assert line == b'{"text":"a\\ud800b","big":1180591620717411303424,"\\u00e9":"\\u00e9"}\n'
+    assert json.loads(line)["big"] == 2**70
+
+
+def test_call_stats_render_the_same_series_as_prometheus_histograms() -> None:
+    stats = CallStats()
+    registry = CollectorRegistry()
+    registry.register(stats)
+    stats.observe("hello", "ok", 0.005, 0.0)  # on a bound: counted in that bucket (le)
+    stats.observe("hello", "ok", 0.007, None)  # no queue wait observed
+    stats.observe("hello", "error", 1000.0, 0.002)  # above every bound: +Inf only
+    text = generate_latest(registry).decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values['sandboxd_calls_total{status="ok",tool="hello"}'] == 2
+    assert values['sandboxd_calls_total{status="error",tool="hello"}'] == 1
+    assert values['sandboxd_call_duration_seconds_bucket{le="0.005",tool="hello"}'] == 1
+    assert values['sandboxd_call_duration_seconds_bucket{le="0.01",tool="hello"}'] == 2
+    assert values[f'sandboxd_call_duration_seconds_bucket{{le="{float(CALL_SECONDS_BUCKETS[-1])}",tool="hello"}}'] == 2
+    assert values['sandboxd_call_duration_seconds_bucket{le="+Inf",tool="hello"}'] == 3
+    assert values['sandboxd_call_duration_seconds_count{tool="hello"}'] == 3
+    assert abs(values['sandboxd_call_duration_seconds_sum{tool="hello"}'] - 1000.012) < 1e-9
+    assert values["sandboxd_queue_wait_seconds_count"] == 2
+    assert values['sandboxd_queue_wait_seconds_bucket{le="0.001"}'] == 1
+
+
+def test_generated_tool_call_ids_are_unique_and_look_like_call_hex() -> None:
+    ids = [next(params._GENERATED_IDS) for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(re.fullmatch(r"call_[0-9a-f]{16,}", i) for i in ids)
+    assert len({i[:13] for i in ids}) == 1  # one random prefix per daemon, not a read of the kernel's per call
