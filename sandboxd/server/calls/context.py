@@ -139,7 +139,7 @@ class CallContext:
 
     def start_running(self, sandbox: Sandbox, future: asyncio.Future[dict[str, Any]], timeout_s: float) -> None:
         self.phase, self.sandbox, self._future = Phase.RUNNING, sandbox, future
-        self._timers.append(asyncio.get_running_loop().call_later(timeout_s, _fail, future, TimedOut()))
+        self._timers.append(future.get_loop().call_later(timeout_s, _fail, future, TimedOut()))
 
     def finish(self) -> None:
         self.phase = Phase.DONE

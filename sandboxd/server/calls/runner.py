@@ -73,7 +73,9 @@ class CallRunner:
         """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
         that could not be had (a JSON-RPC error, raised); each is logged and counted once."""
         started = time.monotonic()
-        ctx.task = asyncio.current_task()
+        # Looked up once: each lookup of the running loop costs a getpid() system call in Python 3.11.
+        loop = asyncio.get_running_loop()
+        ctx.task = asyncio.current_task(loop)
         ctx.grace = self.config.calls.cancel_grace_ms / 1000
         try:
             # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
@@ -97,7 +99,7 @@ class CallRunner:
                         ctx.finish()
                         # Released just after the answer is written (the dispatcher sends it when this returns):
                         # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
-                        asyncio.get_running_loop().call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
+                        loop.call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
@@ -114,7 +116,7 @@ class CallRunner:
                 if note is not None:
                     outcome["content"] = [*outcome["content"], *text(note)]
         # Logged and counted just after the answer is written, like the release.
-        asyncio.get_running_loop().call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
+        loop.call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
 
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
