@@ -69,6 +69,28 @@ function prewarm() {
   getEsbuild().transformSync('export const x: number = 1', { loader: 'ts', format: 'cjs' });
 }
 
+/**
+ * Make `entry`, the shim's own warm-up tool (main.js, warmUp), loadable by load() as a tool
+ * is, without esbuild: its source is taken as its transpiled code. Also looks its key up in
+ * the daemon's transpile cache (a miss, and the answer is dropped either way), so the first
+ * real call finds hashing, esbuild's version and that read done. Returns what forgets the
+ * tool afterwards: its module, its folder and the counters are as before.
+ */
+function warmUp(entry) {
+  const dir = fs.realpathSync.native(path.dirname(entry));
+  const filename = path.join(dir, path.basename(entry));
+  const source = fs.readFileSync(filename, 'utf8');
+  readPrecompiled(filename, source, 'ts');
+  transpiled.set(filename, { hash: crypto.createHash('sha256').update(source).digest('base64'), code: source });
+  const before = { ...stats };
+  return function forget() {
+    purge(dir);
+    sourceRoots.delete(dir);
+    transpiled.delete(filename);
+    Object.assign(stats, before);
+  };
+}
+
 class ToolLoadError extends Error {
   constructor(message, cause) {
     super(message);
@@ -304,4 +326,4 @@ function load(entry) {
   return { mod, filename };
 }
 
-module.exports = { install, load, prewarm, stats, ToolLoadError };
+module.exports = { install, load, prewarm, warmUp, stats, ToolLoadError };

@@ -50,6 +50,8 @@ process.setSourceMapsEnabled(true);
 let current = null;
 let lastToolCallId = null;
 let calls = 0;
+// True during the warm-up (warmUp below): nothing may reach the protocol.
+let warmingUp = false;
 // The call whose code is running: timers and promises keep it, so a stray error
 // can be told apart from one thrown by a call that was already answered.
 const callScope = new AsyncLocalStorage();
@@ -81,6 +83,7 @@ process.stderr.on('error', (e) => {
 // ---------------------------------------------------------------- protocol out
 
 function writeLine(text) {
+  if (warmingUp) return; // the warm-up's call is nobody's
   try {
     io.writeAll(fdSetup.outFd, Buffer.from(`${text}\n`, 'utf8'));
   } catch (e) {
@@ -307,8 +310,7 @@ function onLine(line) {
         log('call without an id ignored');
         return;
       }
-      handleCall(msg).catch((e) => strayError(e, 'shim error'));
-      return;
+      return handleCall(msg).catch((e) => strayError(e, 'shim error'));
     case 'cancel':
       handleCancel(msg.params);
       return;
@@ -330,6 +332,33 @@ function onLine(line) {
 }
 
 // ---------------------------------------------------------------- start
+
+// A fresh node compiles each function of the call path at its first use, and sets up
+// hashing, AsyncLocalStorage, source maps and more then too: a new sandbox's first call took
+// ~10 ms more than its second. The pool starts sandboxes ahead of need, so that work is done
+// here, before `ready`, by a call of the shim's own tool (warm-up/index.ts) that no one sees:
+// nothing reaches the protocol, no input is read meanwhile (the reader starts after it), and
+// the tool, its module and the counters are forgotten afterwards.
+const WARMUP_ENTRY = `${__dirname}/warm-up/index.ts`;
+const WARMUP_LINE = JSON.stringify({
+  jsonrpc: '2.0', id: 'warm-up', method: 'call', params: { entry: WARMUP_ENTRY, toolCallId: 'warm-up', arguments: { name: 'sandboxd' }, env: {} },
+});
+
+async function warmUp() {
+  new io.LineSplitter(() => {}, () => {}, MAX_LINE_BYTES).push(Buffer.from(`${WARMUP_LINE}\n`));
+  const forget = loader.warmUp(WARMUP_ENTRY);
+  const { checks, walks } = leftovers.stats;
+  warmingUp = true;
+  try {
+    await onLine(WARMUP_LINE);
+  } finally {
+    warmingUp = false;
+    forget();
+    calls = 0;
+    lastToolCallId = null;
+    Object.assign(leftovers.stats, { checks, walks });
+  }
+}
 
 async function openProtocol() {
   if (!connecting) return io.openReader(fdSetup.inFd);
@@ -357,6 +386,13 @@ async function start() {
     () => replyError(null, -32600, `message longer than ${MAX_LINE_BYTES} bytes skipped`),
     MAX_LINE_BYTES,
   );
+  if (process.env.SANDBOXD_SHIM_WARMUP !== '0') {
+    try {
+      await warmUp();
+    } catch (e) {
+      log(`warm-up failed: ${e && e.stack ? e.stack : e}`);
+    }
+  }
   const input = await openProtocol();
   input.on('data', (chunk) => splitter.push(chunk));
   input.on('end', () => process.exit(0));

@@ -259,6 +259,57 @@ describe('protocol basics', () => {
   });
 });
 
+describe('warm-up before ready', () => {
+  // The shim's own tool, which main.js calls once before `ready` (the same path as loader.js resolves it).
+  const WARMUP_ENTRY = path.join(fs.realpathSync(path.join(__dirname, '..', 'src', 'warm-up')), 'index.ts');
+
+  test('its call leaves no trace: nothing on the protocol or stderr, counters at zero, tools load as before', async () => {
+    await withShim(async (shim) => {
+      let s = await shim.stats();
+      assert.deepEqual(
+        [s.calls, s.loads, s.transpiles, s.transpileCacheHits, s.precompiledHits, s.reloads, s.leftoverChecks],
+        [0, 0, 0, 0, 0, 0, 0],
+      );
+      assert.equal(shim.messages[0].method, 'ready', 'nothing of the warm-up reaches the protocol');
+      const { result } = await shim.call('hello', { name: 'Ada' });
+      assert.equal(result.status, 'ok', JSON.stringify(result));
+      s = await shim.stats();
+      assert.deepEqual([s.calls, s.loads, s.transpiles], [1, 1, 1]);
+      assert.doesNotMatch(shim.stderr, /warm-up/, 'the warm-up neither failed nor logged');
+      await shim.close();
+    });
+  });
+
+  test('code planted in the transpile cache under the warm-up tool\'s key is never run', async () => {
+    const cache = fs.mkdtempSync(path.join(os.tmpdir(), 'shim-warmup-cache-'));
+    const marker = path.join(cache, 'planted-ran');
+    try {
+      const esbuildVersion = require('esbuild/package.json').version;
+      const source = fs.readFileSync(WARMUP_ENTRY, 'utf8');
+      const key = require('node:crypto')
+        .createHash('sha256')
+        .update(`sandboxd-transpile-1\0${esbuildVersion}\0ts\0${WARMUP_ENTRY}\0`)
+        .update(source)
+        .digest('hex');
+      fs.writeFileSync(
+        path.join(cache, `${key}.js`),
+        `require('node:fs').writeFileSync(${JSON.stringify(marker)}, 'ran');\n` +
+          "exports.execute = async () => ({ content: [{ type: 'text', text: 'planted' }] });\n",
+      );
+      await withShim(async (shim) => {
+        assert.equal((await shim.stats()).precompiledHits, 0);
+        assert.equal(fs.existsSync(marker), false, 'the warm-up ran the planted code');
+        const { result } = await shim.call('hello', { name: 'Ada' });
+        assert.equal(shim.text(result), 'Hello, Ada!');
+        await shim.close();
+      }, { env: { SANDBOXD_TRANSPILE_CACHE: cache } });
+      assert.equal(fs.existsSync(marker), false, 'the planted code ran');
+    } finally {
+      fs.rmSync(cache, { recursive: true, force: true });
+    }
+  });
+});
+
 describe('loading tools', () => {
   test('TypeScript ESM (the TOOLS.md hello)', async () => {
     await withShim(async (shim) => {
