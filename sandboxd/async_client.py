@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from pathlib import Path
 from typing import Any, Callable
 
+from sandboxd import strictjson
 from sandboxd.client import DaemonUnreachable, RpcError
 from sandboxd.lines import LineBuffer
 
@@ -92,14 +92,14 @@ class AsyncClient:
         self._lost()
 
     def _send(self, message: dict[str, Any]) -> None:
-        self._writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        self._writer.write(strictjson.dumps_line(message))
 
     async def _read(self) -> None:
         try:
             while chunk := await self._reader.read(1 << 16):
                 for line in self._lines.feed(chunk):
                     if isinstance(line, bytes):
-                        self._handle(json.loads(line))
+                        self._handle(strictjson.loads_line(line))
         except (ConnectionError, OSError):
             pass
         finally:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import socket
 from pathlib import Path
 from typing import Any, Callable
 
+from sandboxd import strictjson
 from sandboxd.lines import LineBuffer
 
 
@@ -55,7 +55,7 @@ class Client:
         self.close()
 
     def send(self, message: dict[str, Any]) -> None:
-        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        self._sock.sendall(strictjson.dumps_line(message))
 
     def read_message(self) -> dict[str, Any]:
         while not self._pending:
@@ -66,7 +66,8 @@ class Client:
             if not chunk:
                 raise DaemonUnreachable("sandboxd closed the connection.")
             self._pending.extend(line for line in self._lines.feed(chunk) if isinstance(line, bytes))
-        return json.loads(self._pending.popleft())
+        message: dict[str, Any] = strictjson.loads_line(self._pending.popleft())
+        return message
 
     def request(
         self,

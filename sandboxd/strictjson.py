@@ -8,7 +8,9 @@ also refuses an object with the same key twice (DuplicateKey, still a ValueError
 parsers disagree on which value wins, so a proxy in front could be fooled.
 
 ``dumps_line`` writes one message as a line of compact UTF-8 JSON, with orjson: a
-tenth of the stdlib's CPU, and every message out of the daemon is one.
+tenth of the stdlib's CPU, and every message out of the daemon is one. ``loads_line``
+reads one the same way where duplicate keys need no check (a sandbox's lines, the
+daemon's answers to a client).
 """
 
 from __future__ import annotations
@@ -76,3 +78,13 @@ def dumps_line(message: Any) -> bytes:
         return orjson.dumps(message, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return _ASCII_ENCODER.encode(message).encode() + b"\n"
+
+
+def loads_line(line: bytes) -> Any:
+    """A line as JSON, by orjson: a quarter of ``loads``'s CPU. orjson refuses all ``loads`` refuses
+    (NaN, Infinity, a number that overflows, a BOM, invalid UTF-8, deep nesting); what it alone
+    refuses (an escaped lone surrogate) gets ``loads``'s verdict. Duplicate keys: the last wins."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return loads(line)
