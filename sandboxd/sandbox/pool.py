@@ -3,7 +3,8 @@
 The state is plain collections: the sandboxes (``_sandboxes``; by user in ``_of_user``), each
 with its ``State``, and the callers waiting (``_waiters``). Events only record what happened
 (on the ``PooledSandbox``: its call ended, its start finished or failed, the backend removed it;
-or in ``_waiters``) and ask for a plan. ``_plan`` is the one decision: a function of the state
+or in ``_waiters``) and ask for a plan (a call's end, only if someone waits or it left the sandbox
+spent: else the next plan settles it). ``_plan`` is the one decision: a function of the state
 that returns a ``Plan`` (what becomes idle, is forgotten, destroyed, started; which caller gets
 which sandbox), in named steps whose cases its docstring numbers. ``_commit`` applies it, the
 one place the state changes; then ``_act`` does the I/O. ``close`` ends it all at once.
