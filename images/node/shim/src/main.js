@@ -336,20 +336,23 @@ function onLine(line) {
 // A fresh node compiles each function of the call path at its first use, and sets up
 // hashing, AsyncLocalStorage, source maps and more then too: a new sandbox's first call took
 // ~10 ms more than its second. The pool starts sandboxes ahead of need, so that work is done
-// here, before `ready`, by a call of the shim's own tool (warm-up/index.ts) that no one sees:
-// nothing reaches the protocol, no input is read meanwhile (the reader starts after it), and
-// the tool, its module and the counters are forgotten afterwards.
+// here, before `ready`, by a call of the shim's own tool (warm-up/index.ts) that no one sees.
+// Its line also goes through a socket of its own (io.loopback), so a socket's first write
+// and read are done too. Nothing reaches the protocol, no protocol input is read meanwhile
+// (the reader starts after it), and the tool, its module and the counters are forgotten.
 const WARMUP_ENTRY = `${__dirname}/warm-up/index.ts`;
 const WARMUP_LINE = JSON.stringify({
   jsonrpc: '2.0', id: 'warm-up', method: 'call', params: { entry: WARMUP_ENTRY, toolCallId: 'warm-up', arguments: { name: 'sandboxd' }, env: {} },
 });
 
 async function warmUp() {
-  new io.LineSplitter(() => {}, () => {}, MAX_LINE_BYTES).push(Buffer.from(`${WARMUP_LINE}\n`));
   const forget = loader.warmUp(WARMUP_ENTRY);
   const { checks, walks } = leftovers.stats;
   warmingUp = true;
   try {
+    // What comes through the loopback goes nowhere: its peer could be anyone's.
+    const lines = new io.LineSplitter(() => {}, () => {}, MAX_LINE_BYTES);
+    await io.loopback(`${WARMUP_LINE}\n`, (chunk) => lines.push(chunk));
     await onLine(WARMUP_LINE);
   } finally {
     warmingUp = false;

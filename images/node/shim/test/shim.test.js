@@ -280,6 +280,17 @@ describe('warm-up before ready', () => {
     });
   });
 
+  test('its loopback socket delivers the line whole, then leaves no listener or socket open', async () => {
+    const io = require('../src/io');
+    const pipes = () => process.getActiveResourcesInfo().filter((r) => /Pipe/.test(r)).length;
+    const before = pipes();
+    const text = `${JSON.stringify({ line: 'x'.repeat(3000) })}\n`;
+    const chunks = [];
+    await io.loopback(text, (chunk) => chunks.push(chunk));
+    assert.equal(Buffer.concat(chunks).toString('utf8'), text);
+    await waitFor(() => pipes() === before, 'the loopback sockets to close');
+  });
+
   test('code planted in the transpile cache under the warm-up tool\'s key is never run', async () => {
     const cache = fs.mkdtempSync(path.join(os.tmpdir(), 'shim-warmup-cache-'));
     const marker = path.join(cache, 'planted-ran');
