@@ -166,6 +166,10 @@ class StandIns:
         return Rewrite(b"\r\n".join(lines), tuple(s.name for s in own if s.name in used), misdirected)
 
 
+# A call without secrets (most calls), and an idle sandbox: one, never changed.
+NO_STAND_INS = StandIns()
+
+
 def _rewrite_query(request_line: bytes, own: list[Secret], used: set[str]) -> bytes:
     method, _, rest = request_line.partition(b" ")
     target, _, version = rest.rpartition(b" ")

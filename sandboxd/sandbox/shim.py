@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from sandboxd import strictjson
 from sandboxd.egress.grants import CallGrant
-from sandboxd.egress.secrets import StandIns
+from sandboxd.egress.secrets import NO_STAND_INS
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, masking, source
@@ -32,7 +32,6 @@ from sandboxd.sandbox.backend import CallGuard, CallRequest, EgressCall, OutputL
 _log = get_logger("sandboxd.sandbox")
 
 SHIM_PROTOCOL = 2
-_NO_STAND_INS = StandIns()  # an idle sandbox's, and a call's without egress.secrets: one, never changed
 
 
 class ShimChannel:
@@ -210,7 +209,7 @@ class ShimSandbox:
         self._client_paused = False  # the running call's client reads no more
         self._refill: asyncio.TimerHandle | None = None
         self._running_tool: str | None = None
-        self._stand_ins = _NO_STAND_INS  # the running call's; none while idle: a stand-in is worth nothing after its call
+        self._stand_ins = NO_STAND_INS  # the running call's; none while idle: a stand-in is worth nothing after its call
         self._relay_port: int | None = None
         self._grant: CallGrant | None = None  # the running call's: ended when it is answered
 
@@ -232,7 +231,7 @@ class ShimSandbox:
             self._secrets |= guard.secrets  # a new set: egress contexts handed out hold the old one
         future = self.channel.call(request, on_progress)
         self._running_tool = guard.tool or None
-        self._stand_ins = request.stand_ins or _NO_STAND_INS
+        self._stand_ins = request.stand_ins or NO_STAND_INS
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()
         future.add_done_callback(self._call_ended)
@@ -240,7 +239,7 @@ class ShimSandbox:
 
     def _call_ended(self, _future: asyncio.Future[dict[str, Any]]) -> None:
         self._running_tool = None
-        self._stand_ins = _NO_STAND_INS
+        self._stand_ins = NO_STAND_INS
         self._relay_port = None
         if self._grant is not None:  # a tunnel to the relay, a request with a secret: they end with the call
             self._grant.end()

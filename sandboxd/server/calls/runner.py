@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from sandboxd.config import Config
 from sandboxd.egress.browser_relay import relay_for_call
-from sandboxd.egress.secrets import StandIns
+from sandboxd.egress.secrets import NO_STAND_INS, StandIns
 from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox
@@ -31,8 +31,6 @@ log = get_logger("sandboxd.calls")
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
                                              QuotaExceeded: "over_quota"}
-# A call without env has no secrets behind stand-ins (most calls).
-_NO_STAND_INS = StandIns()
 # A call without env or sensitive arguments registers nothing to mask in its log lines.
 _NO_SECRETS: contextlib.nullcontext[frozenset[str]] = contextlib.nullcontext(frozenset())
 # What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
@@ -122,7 +120,7 @@ class CallRunner:
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
         """What the shim is sent, and what the sandbox holds this call to."""
         # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
-        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets) if call.env else ({}, _NO_STAND_INS)
+        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets) if call.env else ({}, NO_STAND_INS)
         calls = self.config.calls
         request = CallRequest(
             tool_call_id=call.tool_call_id,
