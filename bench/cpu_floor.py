@@ -1,7 +1,8 @@
 """The daemon's CPU floor: the least any asyncio server on this machine spends per warm call.
 
 A bare server in its own process on uvloop (the daemon's loop), answering the bench's warm
-``tools/call`` line as the daemon's hot path must at the least: the line parsed as JSON, one
+``tools/call`` line as the daemon's hot path must at the least: the line parsed as JSON (duplicate
+keys refused, as the protocol requires; orjson everywhere else), one
 task per request (the daemon's dispatcher makes one, so that a call can be cancelled), the
 task awaiting a future that ``call_soon`` resolves (standing for the sandbox's answer), and a
 JSON-RPC result line of the daemon's shape written back. With ``--relay`` the future is
@@ -18,7 +19,6 @@ much any server on this machine would pay.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -28,16 +28,21 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+import orjson
+
 from bench import callgrind
 from bench.daemon import REPO, sequential_calls
 from bench.load import daemon_call_line, process_cpu
 from bench.wire import LineSocket
+from sandboxd import strictjson
 
 USER = "floor@bench.example"
 ECHO_JS = Path(__file__).resolve().parent / "echo.js"
 # The clock behind /proc/<pid>/stat ticks every 10 ms: at ~50 µs a request, 10,000 keep its rounding under 2%.
 MIN_CPU_REQUESTS = 10_000
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # made once, as the daemon's
+# orjson wherever the daemon may use it (the answer out, the sandbox's line in); a client's request is
+# read by strictjson, which alone refuses duplicate keys, as the protocol requires.
+_LINE = orjson.OPT_APPEND_NEWLINE
 
 
 class _Echo(asyncio.Protocol):
@@ -55,7 +60,7 @@ class _Echo(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         *lines, self._buffer = (self._buffer + data).split(b"\n")
         for line in lines:
-            reply = json.loads(line)
+            reply = orjson.loads(line)
             self._waiting.pop(reply["id"]).set_result(reply["result"])
 
     def call(self, arguments: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
@@ -63,8 +68,8 @@ class _Echo(asyncio.Protocol):
         self._next_id += 1
         answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[self._next_id] = answered
-        self._transport.write(_ENCODER.encode({"jsonrpc": "2.0", "id": self._next_id, "method": "call",
-                                               "params": {"arguments": arguments}}).encode() + b"\n")
+        self._transport.write(orjson.dumps({"jsonrpc": "2.0", "id": self._next_id, "method": "call",
+                                            "params": {"arguments": arguments}}, option=_LINE))
         return answered
 
 
@@ -84,7 +89,7 @@ class _Connection(asyncio.Protocol):
         *lines, self._buffer = (self._buffer + data).split(b"\n")
         loop = asyncio.get_running_loop()
         for line in lines:
-            request = json.loads(line)
+            request = strictjson.loads(line, unique_keys=True)  # as the protocol requires: duplicate keys refused
             task = loop.create_task(self._answer(request["id"], request["params"]["arguments"]))
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
@@ -101,7 +106,7 @@ class _Connection(asyncio.Protocol):
         result = {"content": content, "isError": False, "status": "ok",
                   "durationMs": round((time.monotonic() - started) * 1000)}
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_ENCODER.encode({"jsonrpc": "2.0", "id": request_id, "result": result}).encode() + b"\n")
+            self._transport.write(orjson.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, option=_LINE))
 
 
 async def _serve(path: str, relay: bool) -> None:
