@@ -150,6 +150,9 @@ class Pinger:
     def yardstick_p99_ms(self) -> float:
         return percentile(self.yardstick_seconds, 0.99) * 1000
 
+    def yardstick_p50_ms(self) -> float:
+        return percentile(self.yardstick_seconds, 0.5) * 1000
+
     def bound_ms(self) -> float:
         """The issue's bound on a bystander's ping p99 under a crowd, 10 ms, on top of what the
         yardstick's p99 was in the same moments: a crowd that takes the daemon's loop (before
