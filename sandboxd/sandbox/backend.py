@@ -129,9 +129,10 @@ class OutputLimits:
     idle_output_bytes: int = 4 << 20  # allowed while no call runs, per idle period
 
 
-@dataclass(frozen=True)
+# Built per call: slots and not frozen, as a frozen dataclass's __init__ makes a setattr call per field.
+@dataclass(slots=True)
 class CallRequest:
-    """One execute() call, as the shim protocol carries it (docs/shim.md)."""
+    """One execute() call, as the shim protocol carries it (docs/shim.md). Never changed once made."""
 
     tool_call_id: str
     entry: str  # entry file path as the sandbox sees it
@@ -151,16 +152,18 @@ class CallRequest:
             "arguments": self.arguments,
             "env": self.env,
             "maxResultBytes": self.max_result_bytes,
-            **({"egressSecretHosts": self.stand_ins.shim_hosts()} if self.stand_ins else {}),
         }
+        if self.stand_ins:
+            params["egressSecretHosts"] = self.stand_ins.shim_hosts()
         if self.browser_relay is not None:
             params["browserRelay"] = self.browser_relay.to_param()
         return params
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per call, like CallRequest
 class CallGuard:
-    """What the daemon's side of a sandbox holds one call to, beside its ``CallRequest``; never sent."""
+    """What the daemon's side of a sandbox holds one call to, beside its ``CallRequest``; never sent
+    nor changed once made."""
 
     # The output budget from this call on (until the next one).
     output_limits: OutputLimits = OutputLimits()

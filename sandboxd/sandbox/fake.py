@@ -45,7 +45,8 @@ class FakeSandbox:
         self._task: asyncio.Task[Any] | None = None
         self._future: asyncio.Future[dict[str, Any]] | None = None
         self.aborted = asyncio.Event()
-        self.calls: list[CallRequest] = []
+        # The latest call and what it was held to; not every call: a long bench run makes millions.
+        self.last_call: tuple[CallRequest, CallGuard] | None = None
         self.cancel_reasons: list[str] = []
         self.reading_paused = False  # what pause_reading/resume_reading last said
 
@@ -62,7 +63,7 @@ class FakeSandbox:
             self._backend.calls_to_dead += 1
             future.set_exception(SandboxFailed("the sandbox is dead"))
             return future
-        self.calls.append(request)
+        self.last_call = request, guard
         self._future = future
         if self._backend.handler is echo_handler:
             # The default answers at the loop's next turn, as a sandbox's reply would, with no task of

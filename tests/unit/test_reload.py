@@ -14,6 +14,7 @@ import pytest
 from sandboxd.config import Config, load_config, needs_restart
 from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging, get_logger
+from sandboxd.sandbox.backend import OutputLimits
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server
 from tests.unit.test_metrics import call, handler
@@ -112,6 +113,23 @@ def test_new_sandbox_settings_replace_idle_sandboxes_now_and_busy_ones_after_the
         assert len(backend.sandboxes) == 1  # min_idle, under the new settings
 
     run(tmp_path, test, tool=gated, pool={"min_idle": 1})
+
+
+def test_a_reload_of_the_output_budget_reaches_the_next_call(tmp_path: Path) -> None:
+    # The runner makes a call's OutputLimits once per configuration: a reload must make new ones.
+    async def test(server: Server, configure: Any) -> None:
+        def limits() -> OutputLimits:
+            (sandbox,) = (s for s in server.backend.sandboxes.values() if s.last_call is not None)
+            return sandbox.last_call[1].output_limits
+
+        assert (await call(server, "World"))["result"]["status"] == "ok"
+        assert limits() == OutputLimits(1 << 20, 4 << 20, 4 << 20)  # the defaults
+        server.apply_config(configure(calls={"output_rate_bytes": 5000, "output_burst_bytes": 6000,
+                                             "idle_output_bytes": 7000}))
+        assert (await call(server, "World"))["result"]["status"] == "ok"
+        assert limits() == OutputLimits(5000, 6000, 7000)
+
+    run(tmp_path, test, pool={"min_idle": 0, "max_per_user": 1})
 
 
 def test_a_bad_file_keeps_the_running_configuration(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from sandboxd.config import Config
+from sandboxd.config import CallsConfig, Config
 from sandboxd.egress.browser_relay import relay_for_call
 from sandboxd.egress.secrets import NO_STAND_INS, StandIns
 from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
@@ -66,6 +66,9 @@ class CallRunner:
         # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
         self.on_call: Callable[[str, str, float, float | None], None] | None = None
         self.storage: Storage | None = None  # the disk quota: refuses users over it, measures after calls
+        # The sandbox's output budget, as calls.* (of the section it was made from) sets it.
+        self._limits_of: CallsConfig | None = None
+        self._limits = OutputLimits()
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
         """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
@@ -119,21 +122,22 @@ class CallRunner:
 
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
         """What the shim is sent, and what the sandbox holds this call to."""
-        # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
-        env, stand_ins = StandIns.for_call(call.env, self.config.egress.secrets) if call.env else ({}, NO_STAND_INS)
-        calls = self.config.calls
-        request = CallRequest(
-            tool_call_id=call.tool_call_id,
-            entry=self.backend.entry_path(call.tool),
-            arguments=call.arguments,
-            env=env,
-            max_result_bytes=calls.max_result_bytes,
-            stand_ins=stand_ins,
-            # Only a call whose env names the relay's port gets one (relay_for_call): most have no env.
-            browser_relay=relay_for_call(self.config.integrations.relay, call.env) if call.env else None,
-        )
-        limits = OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes)
-        return request, CallGuard(output_limits=limits, tool=call.tool.name, secrets=secrets)
+        config = self.config
+        if call.env:
+            # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
+            env, stand_ins = StandIns.for_call(call.env, config.egress.secrets)
+            # Only a call whose env names the relay's port gets one (relay_for_call).
+            relay = relay_for_call(config.integrations.relay, call.env)
+        else:  # most calls
+            env, stand_ins, relay = {}, NO_STAND_INS, None
+        calls = config.calls
+        if calls is not self._limits_of:  # made once per configuration: a reload brings a new calls section
+            self._limits_of = calls
+            self._limits = OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes)
+        # Positional: half the cost of keywords, and the names passed say which field is which.
+        request = CallRequest(call.tool_call_id, self.backend.entry_path(call.tool), call.arguments, env,
+                              calls.max_result_bytes, stand_ins, relay)
+        return request, CallGuard(self._limits, call.tool.name, secrets)
 
     async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, guard: CallGuard, call: CallParams,
                           ctx: CallContext, on_progress: Callable[[list[Any]], None],
