@@ -3,36 +3,33 @@
 The state is plain collections: the sandboxes (``_sandboxes``; by user in ``_of_user``), each
 with its ``State``, and the callers waiting (``_waiters``). Events only record what happened
 (on the ``PooledSandbox``: its call ended, its start finished or failed, the backend removed it;
-or in ``_waiters``) and ask for a plan (a call's end, only if someone waits or it left the sandbox
-spent: else the next plan settles it). ``_plan`` is the one decision: a function of the state
+or in ``_waiters``) and ask for a plan. ``_plan`` is the one decision: a function of the state
 that returns a ``Plan`` (what becomes idle, is forgotten, destroyed, started; which caller gets
-which sandbox), in named steps whose cases its docstring numbers. ``_commit`` applies it, the
-one place the state changes; then ``_act`` does the I/O. ``close`` ends it all at once.
+which sandbox), in named steps whose cases its docstring numbers. ``_commit`` applies it; then
+``_act`` does the I/O. The common call needs no plan: a caller alone takes the idle sandbox a plan
+would hand them (``_idle_for_alone``), and a release nobody waits for is settled by the next plan.
 
 A plan looks at everything when anyone else waits, when room frees up, and every second
-(``maintain``). Otherwise, after an event on one user's sandboxes, it looks at theirs alone:
-the same steps, a few µs at any pool size, where a walk of everything costs ~1 ms at 500
-users. What that cannot do for an arriving caller (evict another user's sandbox), a plan of
-everything does. A caller cancelled while it waits never leaks a slot (``_leave``).
-
-Users share the pool max-min fairly, the last ``pool.reserve`` slots kept for users' first
-calls: sharing.py returns whose turn it is and what serves it. A sandbox being destroyed stays
-in ``_sandboxes`` (STOPPING) until the backend has removed it, so the limits bound the
-containers that exist: a tool that times out again and again cannot pile up containers.
+(``maintain``); else at the one user whose sandboxes changed (a walk of everything costs ~1 ms
+at 500 users). A caller cancelled while it waits never leaks a slot (``_leave``). Users share
+the pool max-min fairly, the last ``pool.reserve`` slots kept for users' first calls: sharing.py
+returns whose turn it is. A sandbox being destroyed counts (STOPPING) until the backend has
+removed it: a tool that times out again and again cannot pile up containers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from sandboxd.config import PoolConfig
 from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, ShuttingDown
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
-from sandboxd.sandbox.pooled import BUSY, HELD, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Start, bump, held_back, holdings,
+from sandboxd.sandbox.pooled import BUSY, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
+from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Start, bump, holdings,
                                      refusal, serve_fairly)
 
 __all__ = ["Pool", "PooledSandbox", "State"]
@@ -79,11 +76,14 @@ class Pool:
         """An idle sandbox of ``user``, started if need be; raises Overloaded past the deadline."""
         if self._closing:
             raise ShuttingDown()
-        self._last_call[user] = self._clock()
+        now = self._last_call[user] = self._clock()
+        pooled = self._idle_for_alone(user, now)
+        if pooled is not None:  # the common call: what a plan of them would hand them, without one
+            pooled.state, pooled.since, pooled.call_ended = BUSY, now, False
+            return pooled
         waiter = Waiter(user, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        # Alone in the queue, the caller's own sandboxes decide (the common call: their idle one is
-        # handed over at once); what that plan cannot do for them, a plan of everything does.
+        # Alone in the queue, their own sandboxes decide; what that cannot do for them, a plan of everything does.
         alone = len(self._waiters) == 1
         plan = self._apply(self._plan(user if alone else None))
         if alone and not waiter.future.done() and not plan.start:
@@ -114,9 +114,7 @@ class Pool:
         if self._closing or self.config.min_idle == 0:
             return
         if user not in self._last_call and len(self._sandboxes) >= self._ceiling():
-            # A full pool warms nobody new, and keeps no trace of them: listing costs no sandbox, so a
-            # client could name endless made-up users, each one more entry that every _plan walks.
-            return
+            return  # a full pool keeps no trace of new users: else endless made-up ones, each walked by every plan
         self._last_call[user] = self._clock()
         self._replan(user)
 
@@ -136,8 +134,7 @@ class Pool:
                             or pooled.calls >= self.config.max_calls_per_sandbox)
             if pooled.spent or self._waiters:
                 self._replan(pooled.user)
-            # Else nobody waits for it and nothing is to be done: it is settled idle by the next plan
-            # (its user's next call, or maintain's within a second); half the pool's work of a call.
+            # Else nobody waits for it: the next plan settles it idle (its user's next call, or maintain's).
 
     def retire_all(self) -> None:
         """New sandbox settings: replace idle sandboxes now, busy ones when their call ends."""
@@ -149,11 +146,8 @@ class Pool:
         self._apply(self._plan())
 
     async def close(self, grace: float, destroy_timeout: float = 30.0) -> None:
-        """Stop taking calls, wait up to ``grace`` s for busy sandboxes, then destroy everything.
-
-        The destroys get ``destroy_timeout`` s: a hung engine must not hang shutdown; what
-        is left then is removed as an orphan by the next start.
-        """
+        """Stop taking calls, wait up to ``grace`` s for busy sandboxes, then destroy everything, for up to
+        ``destroy_timeout`` s: a hung engine must not hang shutdown (the next start removes what is left)."""
         self._closing = True
         for waiter in self._waiters:
             if not waiter.future.done():
@@ -180,9 +174,7 @@ class Pool:
                     task.cancel()
 
     def __repr__(self) -> str:
-        counts = {state: 0 for state in State}
-        for pooled in self._sandboxes:
-            counts[pooled.current] += 1
+        counts = Counter(pooled.current for pooled in self._sandboxes)
         return (f"<Pool [starting: {counts[STARTING]}, idle: {counts[IDLE]}, "
                 f"busy: {counts[BUSY]}, stopping: {counts[STOPPING]}, waiting: {len(self._waiters)}]>")
 
@@ -264,6 +256,33 @@ class Pool:
             owned[owner] = owned.get(owner, 0) + 1
         return counts, idle_of
 
+    def _idle_for_alone(self, user: str, now: float) -> PooledSandbox | None:
+        """Case 6 for a caller alone, without a plan: the sandbox a plan of their user would hand them,
+        if that is all it would do (test_pool.py checks it against ``_plan``); else None. Nobody else
+        waits, the pool is below its ceiling, their sandboxes are busy or fit and idle, and one stays
+        idle for min_idle (or none could start). The others it leaves to the next plan, as ``release`` does."""
+        if self._waiters or len(self._sandboxes) >= self._ceiling():
+            return None
+        mine = self._of_user.get(user, ())
+        first, kept = None, 0
+        for pooled in mine:
+            if pooled.call_ended:
+                since = now  # idle from the plan that settles it (case 1)
+            elif pooled.state is IDLE:
+                since = pooled.since
+            elif pooled.state is BUSY:
+                continue
+            else:
+                return None  # starting or stopping: a plan's case 1 or 2
+            if self._retired(pooled, since, kept, now):
+                return None  # case 3
+            if first is None:
+                first = pooled
+            kept += 1
+        if first is None or (kept <= self.config.min_idle and len(mine) < self.config.max_per_user):
+            return None  # none idle, or case 7 would start a spare
+        return first
+
     @staticmethod
     def _gone(pooled: PooledSandbox, state: State, plan: Plan) -> bool:
         """Case 2: removed by the backend, or its start failed: no longer the pool's."""
@@ -277,7 +296,7 @@ class Pool:
 
     def _retired(self, pooled: PooledSandbox, since: float, kept: int, now: float) -> bool:
         """Case 3: this idle sandbox is destroyed (``kept``: its user's idle ones kept before it).
-        The cheapest tests first: this runs at every call's acquire and release."""
+        The cheapest tests first: this runs at every call's acquire."""
         cfg = self.config
         return (pooled.spent or pooled.generation != self._generation or pooled.sandbox is None
                 or not pooled.sandbox.alive or now - self._last_call.get(pooled.user, 0.0) > cfg.idle_ttl_s
@@ -309,8 +328,6 @@ class Pool:
         the counts, idle sandboxes and queues that case 7 reads."""
         if user is not None:
             self._count_elsewhere(user, counts, sum(map(len, queues.values())))
-            if self._own_idle(user, queues.get(user, []), idle_of, counts, plan):
-                return
         limits = Limits(self.config.max_per_user, self.config.max_total, self._ceiling())
         arrival = {waiter: i for i, waiter in enumerate(self._waiters)} if len(queues) > 1 else {}
         for decision in serve_fairly(queues, idle_of, arrival, counts, limits):
@@ -323,16 +340,6 @@ class Pool:
             else:
                 plan.destroy.append(decision.sandbox)
                 idle_of[decision.sandbox.user].remove(decision.sandbox)
-
-    def _own_idle(self, user: str, queue: list[Waiter], idle_of: dict[str, list[PooledSandbox]], counts: Counts,
-                  plan: Plan) -> bool:
-        """Case 6 for the one caller of a plan of their user alone (the common call): serve_fairly's
-        turn for them, their own idle sandbox, without setting up turns (half the pool's work of a call)."""
-        idle = idle_of.get(user)
-        if len(queue) != 1 or not idle or held_back(counts.held.get(user, 0), counts.held_total, self._ceiling()):
-            return False
-        plan.hand.append((queue.pop(), idle.pop(0)))
-        return True
 
     def _count_elsewhere(self, user: str, counts: Counts, waiting: int) -> None:
         """For a plan of ``user`` alone: add the others' held and stopping sandboxes to ``counts``, only
@@ -363,8 +370,7 @@ class Pool:
 
     def _wants_spare(self, user: str, idle_of: dict[str, list[PooledSandbox]], now: float) -> bool:
         """Case 7's user: active within the TTL, short of min_idle, past any backoff."""
-        cfg = self.config
-        # idle_of holds what is left idle after case 6: a user with enough needs no count (the common case).
+        cfg = self.config  # idle_of: what case 6 left idle
         return (len(idle_of.get(user, ())) < cfg.min_idle and now - self._last_call.get(user, 0.0) <= cfg.idle_ttl_s
                 and now >= self._backoff_until.get(user, 0.0))
 
@@ -376,8 +382,7 @@ class Pool:
         return plan
 
     def _commit(self, plan: Plan) -> list[PooledSandbox]:
-        """Apply ``plan`` to the pool's state: the one place it changes. Returns the records of the
-        sandboxes to start."""
+        """Apply ``plan`` to the pool's state; returns the records of the sandboxes to start."""
         now = plan.now
         for pooled in plan.ready:
             pooled.state, pooled.since, pooled.call_ended = IDLE, now, False
@@ -420,15 +425,10 @@ class Pool:
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
         """Why ``user``'s wait ran out (sharing.refusal), counted by reason."""
-        held_total = sum(1 for pooled in self._sandboxes if pooled.current in HELD)  # a walk: only on a refusal
-        reason, why = refusal(user, len(self._of_user.get(user, ())), self._count(user, *HELD), held_total, self.config)
+        reason, why = refusal(user, self._of_user.get(user, []), self._sandboxes, self.config)
         self.refusals[reason] += 1
         return Overloaded(f"no sandbox for {user} became free within {timeout:g} s: {why}; retry later.",
                           data={"pool": repr(self), "reason": reason})
-
-    def _count(self, user: str, *states: State) -> int:
-        """The user's sandboxes in ``states``, counted afresh (a user has max_per_user at most)."""
-        return sum(1 for pooled in self._of_user.get(user, ()) if pooled.current in states)
 
     def _forget(self, pooled: PooledSandbox) -> None:
         self._sandboxes.remove(pooled)

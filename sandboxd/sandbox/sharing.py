@@ -205,9 +205,12 @@ def _victim(user: str, held: Mapping[str, int], queues: Mapping[str, Sequence[Wa
 REFUSAL_REASONS = ("user_limit", "reserve", "pool_full")
 
 
-def refusal(user: str, owned: int, running: int, held_total: int, config: PoolConfig) -> tuple[str, str]:
-    """Which rule kept ``user`` waiting (one of REFUSAL_REASONS), and in words that say what to do.
-    ``owned``: their sandboxes; ``running``: of those, busy or starting; ``held_total``: in all."""
+def refusal(user: str, theirs: Sequence[PooledSandbox], everyone: Iterable[PooledSandbox],
+            config: PoolConfig) -> tuple[str, str]:
+    """Which rule kept ``user`` waiting (one of REFUSAL_REASONS), and in words that say what to do;
+    from ``theirs`` and ``everyone``'s sandboxes (a walk of the pool: only on a refusal)."""
+    owned, running = len(theirs), sum(1 for pooled in theirs if pooled.current in HELD)
+    held_total = sum(1 for pooled in everyone if pooled.current in HELD)
     if owned >= config.max_per_user:
         return "user_limit", (f"{user} already holds {owned} sandboxes, the most one user may "
                               f"(pool.max_per_user: {config.max_per_user}); make fewer calls at once")

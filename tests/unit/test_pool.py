@@ -13,6 +13,7 @@ from sandboxd.errors import BackendUnavailable, Overloaded, ShuttingDown
 from sandboxd.sandbox.backend import CallRequest, SandboxSpec
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.sandbox.pool import Pool, State
+from sandboxd.sandbox.pooled import Waiter
 
 
 class Clock:
@@ -439,11 +440,12 @@ def test_a_warm_call_looks_at_its_own_users_sandboxes_only(monkeypatch: pytest.M
             pool.release(pooled, reusable=True)
             # Settled idle by the next plan (nobody waits for it); idle to anyone who asks meanwhile.
             assert pooled.state is State.BUSY and pool.status()["users"][users[7]]["idle"] == 2
-        assert plans == [users[7]] * 10  # an acquire each; a release that nobody waits on plans nothing
-        # The user's spare is kept: their last idle one taken, the next starts at once.
-        plans.clear()
+        # No plan at all: a caller alone taking an idle sandbox while one stays for min_idle is all a plan
+        # would do (Pool._idle_for_alone); a release that nobody waits on plans nothing.
+        assert plans == []
+        # The user's spare is kept: their last idle one taken by a plan of theirs, the next starts at once.
         first, second = await pool.acquire(users[3]), await pool.acquire(users[3])
-        assert plans == [users[3]] * 2 and backend.starts == 200
+        assert plans == [users[3]] and backend.starts == 200
         await settle()  # the spare's start plans for its user once it is up: off every call's path
         assert {p.state for p in pool._of_user[users[3]]} == {State.BUSY, State.IDLE} and backend.starts == 201
         pool.release(first, reusable=True)
@@ -706,5 +708,85 @@ def test_any_interleaving_keeps_the_limits_serves_idle_sandboxes_and_ends_with_e
         assert not callers, repr(pool)
         await pool.close(grace=0)
         assert backend.sandboxes == {}
+
+    run(main())
+
+
+def check_alone_matches_plan(pool: Pool) -> int:
+    """For each user a caller of whom would be alone: Pool._idle_for_alone hands the sandbox a plan
+    of their user would, and only when handing it is all that plan does (no start, destroy, forget,
+    nor any other caller's business). Returns how many users it served without a plan."""
+    served = 0
+    if pool._waiters:
+        assert all(pool._idle_for_alone(user, pool._clock()) is None for user in USERS)
+        return served
+    for user in USERS:
+        now = pool._clock()
+        last = pool._last_call.get(user)
+        pool._last_call[user] = now  # as acquire sets it before deciding
+        try:
+            taken = pool._idle_for_alone(user, now)
+            if taken is None:
+                continue
+            served += 1
+            waiter = Waiter(user, asyncio.get_running_loop().create_future())
+            pool._waiters.append(waiter)
+            try:
+                plan = pool._plan(user)
+            finally:
+                pool._waiters.remove(waiter)
+            assert plan.hand == [(waiter, taken)], (user, repr(pool))
+            assert not (plan.start or plan.destroy or plan.forget or plan.failed or plan.fail or plan.drop or plan.quiet)
+            assert all(p.user == user for p in plan.ready)
+        finally:
+            if last is None:
+                del pool._last_call[user]
+            else:
+                pool._last_call[user] = last
+    return served
+
+
+ALONE_OPS = st.lists(st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(USERS)),
+    st.tuples(st.just("release"), st.integers(0, 20), st.booleans()),
+    st.tuples(st.just("tick"), st.sampled_from([0.5, 30.0, 61.0])),  # within, around and past the idle TTL
+    st.tuples(st.just("die"), st.integers(0, 20)),  # an idle sandbox dies on its own
+    st.tuples(st.just("maintain"),),
+), max_size=40)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ALONE_OPS, min_idle=st.integers(0, 2), per_user=st.integers(1, 4), max_total=st.integers(2, 8))
+def test_a_caller_alone_gets_what_a_plan_would_hand_them(ops: list[tuple[Any, ...]], min_idle: int, per_user: int,
+                                                        max_total: int) -> None:
+    async def main() -> None:
+        backend, clock = FakeBackend(), Clock()
+        pool = make_pool(backend, clock, min_idle=min_idle, max_per_user=per_user, max_total=max_total, reserve=1,
+                         acquire_timeout_ms=60_000, max_calls_per_sandbox=3)
+        callers: list[asyncio.Future[Any]] = []
+        held: list[Any] = []
+        for op in ops:
+            if op[0] == "acquire":
+                callers.append(asyncio.ensure_future(pool.acquire(op[1])))
+            elif op[0] == "release" and held:
+                pool.release(held.pop(op[1] % len(held)), reusable=op[2])
+            elif op[0] == "tick":
+                clock.now += op[1]
+            elif op[0] == "die":
+                idle = [p for p in pool._sandboxes if p.current is State.IDLE and p.sandbox is not None]
+                if idle:
+                    idle[op[1] % len(idle)].sandbox.die()
+            elif op[0] == "maintain":
+                pool.maintain()
+            await settle()
+            for caller in [c for c in callers if c.done()]:
+                callers.remove(caller)
+                if not caller.cancelled() and caller.exception() is None:
+                    held.append(caller.result())
+            check_alone_matches_plan(pool)
+            check_invariants(pool)
+        for pooled in held:
+            pool.release(pooled, reusable=True)
+        await pool.close(grace=0)
 
     run(main())
