@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+from collections import defaultdict
 import os
 import sys
 import time
@@ -114,8 +115,8 @@ class LogBudget:
         self._clock = clock
         self._buckets: dict[tuple[str, str], list[float]] = {}  # source → [tokens, when]
         self._total = [burst * self.TOTAL_SOURCES, clock()]
-        self._dropped: dict[tuple[str, str, str], int] = {}  # (kind, who, event) → lines dropped
-        self.dropped_by_kind: dict[str, int] = {}  # since start, for the metrics
+        self._dropped: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # (kind, who, event) → lines dropped
+        self.dropped_by_kind: defaultdict[str, int] = defaultdict(int)  # since start, for the metrics
         self._since = clock()
 
     def admit(self, kind_who: tuple[str, str], event: str) -> bool:
@@ -128,9 +129,9 @@ class LogBudget:
         if _take(bucket, now, self.rate, self.burst) and \
                 _take(self._total, now, self.rate * self.TOTAL_SOURCES, self.burst * self.TOTAL_SOURCES):
             return True
-        key = (*kind_who, event)
-        self._dropped[key] = self._dropped.get(key, 0) + 1
-        self.dropped_by_kind[kind_who[0]] = self.dropped_by_kind.get(kind_who[0], 0) + 1
+        kind, who = kind_who
+        self._dropped[kind, who, event] += 1
+        self.dropped_by_kind[kind] += 1
         return False
 
     def summary(self) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import functools
 import json
 import re
 import time
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 from sandboxd.config import CallsConfig, Config
@@ -62,7 +63,7 @@ class CallRunner:
         self.config = config
         self.pool = pool
         self.backend = backend
-        self.counts: dict[str, int] = {}
+        self.counts: defaultdict[str, int] = defaultdict(int)  # calls by status
         # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
         self.on_call: Callable[[str, str, float, float | None], None] | None = None
         self.storage: Storage | None = None  # the disk quota: refuses users over it, measures after calls
@@ -181,14 +182,14 @@ class CallRunner:
         Not in the metrics: they stop being served when shutdown begins, before any such refusal.
         """
         status = _ERROR_STATUS.get(type(exc), "internal_error")
-        self.counts[status] = self.counts.get(status, 0) + 1
+        self.counts[status] += 1
         name = params.get("name") if isinstance(params, dict) else None
         log.info("call", tool=name[:200] if isinstance(name, str) else None, status=status, error=exc.message,
                  budget=source("calls", "refused while stopping"))
 
     def _record(self, call: CallParams, ctx: CallContext, status: str, duration_s: float, error: str | None = None) -> None:
         """The one log event per call, and its counters. No arguments or env: only who, what and how it went."""
-        self.counts[status] = self.counts.get(status, 0) + 1
+        self.counts[status] += 1
         # Built only when the user's log budget admits it: at a few thousand calls a second most are dropped.
         if admitted(source("user", call.user), "call"):
             log.info(
