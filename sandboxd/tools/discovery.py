@@ -142,30 +142,6 @@ class _Parsed:
 # is checked fully at least this often. tools() always checks everything.
 _FULL_CHECK_INTERVAL_S = 1.0
 
-
-@dataclass(eq=False)
-class _Snapshot:
-    """The last full scan of a root, trusted while the root's fingerprint is unchanged."""
-
-    fingerprint: freshness.Fingerprint
-    racy: bool
-    tools: list[Tool]
-    skipped: list[Skipped]
-    by_name: dict[str, Tool]
-    verified_at: float  # time.monotonic() of the last full check that held
-    scanned_at: float  # time.monotonic() just before the scan listed the root
-
-    def unchanged(self, root: Path) -> bool:
-        return freshness.Fingerprint.take(str(root), list(self.fingerprint.entries)) == self.fingerprint
-
-    def holds_for(self, root: Path, name: str) -> bool:
-        """The cheap check behind get(): the root's entry list, and the files of the tool called ``name``."""
-        if freshness.stat_key(str(root)) != self.fingerprint.root:
-            return False
-        tool = self.by_name.get(name)
-        return tool is None or freshness.entry_keys(str(root), tool.dir.name) == self.fingerprint.entries.get(tool.dir.name)
-
-
 _SCAN_WORKERS = 4  # one scan per root at a time, so one hostile root takes at most one of these
 _MAX_CACHED_USERS = 10_000
 _MAX_CACHED_ROOTS = 10_000  # past this, the scans of empty roots are forgotten (cheap to redo)
@@ -187,10 +163,12 @@ class ToolCatalog:
         # Per root, so a root's entries can be dropped when its directories go.
         self._parsed: dict[Path, dict[Path, _Parsed]] = {}
         self._tools: dict[Path, dict[Path, Tool]] = {}  # kept so a Tool's cached schema survives listings
-        self._snapshots: dict[Path, _Snapshot] = {}
+        self._snapshots: dict[Path, freshness.Snapshot] = {}
+        self._stored = 0  # grows whenever _snapshots changes (under _locks_lock: scans store from threads)
+        self._routes: dict[str | None, tuple[tuple[int, int], dict[str, Tool]]] = {}  # per user: _route()
         self._roots_by_user: dict[str | None, list[tuple[Path, Source]]] = {}
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: dict[Path, asyncio.Future[_Snapshot]] = {}  # used on the event loop only
+        self._inflight: dict[Path, asyncio.Future[freshness.Snapshot]] = {}  # used on the event loop only
         # Tells lookup() which roots changed since their scan without stat calls; None: stat them.
         self._watcher = RootWatcher.create((MANIFEST_FILE, *ENTRY_FILES))
 
@@ -219,6 +197,8 @@ class ToolCatalog:
 
         A scan that started at or after ``since`` (when the request arrived) is trusted as it is.
         """
+        if (route := self._route(user)) is not None:
+            return route.get(name)
         roots = self._roots(user)
         # One read of the inotify queue for all of the user's roots.
         clean = self._watcher.clean(root for root, _ in roots) if self._watcher is not None else ()
@@ -230,6 +210,29 @@ class ToolCatalog:
             if tool is not None:
                 return tool
         return None
+
+    def _route(self, user: str | None) -> dict[str, Tool] | None:
+        """The user's tools by name while each of their roots is watched, untouched and not racy (what
+        lookup() trusts for any name and request), else None; one read of the queue while nothing changed."""
+        if self._watcher is None:
+            return None
+        version = (self._watcher.version(), self._stored)  # read before what they vouch for
+        route = self._routes.get(user)
+        if route is not None and route[0] == version:
+            return route[1]
+        roots = self._roots(user)
+        if len(self._watcher.clean(root for root, _ in roots)) < len(roots):
+            return None
+        by_name: dict[str, Tool] = {}
+        for root, _ in roots:  # the user's tools override the global ones
+            snapshot = self._snapshots.get(root)
+            if snapshot is None or snapshot.racy:
+                return None
+            by_name.update(snapshot.by_name)
+        if len(self._routes) >= _MAX_CACHED_USERS:
+            self._routes.clear()  # a client naming endless users must not grow this forever
+        self._routes[user] = (version, by_name)
+        return by_name
 
     def known_names(self, user: str | None) -> list[str]:
         """The tool names of the last scans, for an "unknown tool" message (no checks, no scan)."""
@@ -272,7 +275,7 @@ class ToolCatalog:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _snapshot_async(self, root: Path, source: Source, since: float) -> _Snapshot:
+    async def _snapshot_async(self, root: Path, source: Source, since: float) -> freshness.Snapshot:
         while True:
             snapshot = self._trusted(root, None, since)
             if snapshot is not None:
@@ -292,7 +295,7 @@ class ToolCatalog:
                 return snapshot
             # That scan began before this request arrived: loop to check (or scan) again.
 
-    def _scan_done(self, root: Path, future: asyncio.Future[_Snapshot]) -> None:
+    def _scan_done(self, root: Path, future: asyncio.Future[freshness.Snapshot]) -> None:
         if self._inflight.get(root) is future:
             del self._inflight[root]
 
@@ -310,7 +313,7 @@ class ToolCatalog:
         return roots
 
     def _trusted(self, root: Path, wanted: str | None, since: float | None, *,
-                 watched_clean: bool = False) -> _Snapshot | None:
+                 watched_clean: bool = False) -> freshness.Snapshot | None:
         """The root's last scan if the cheap stat checks say it still holds, else None.
         ``watched_clean``: the watcher says no event touched ``root`` since its scan."""
         snapshot = self._snapshots.get(root)
@@ -330,7 +333,7 @@ class ToolCatalog:
             return snapshot
         return None
 
-    def _snapshot(self, root: Path, source: Source, *, wanted: str | None = None) -> _Snapshot:
+    def _snapshot(self, root: Path, source: Source, *, wanted: str | None = None) -> freshness.Snapshot:
         """The root's tools: the last scan while its fingerprint holds, else a new scan."""
         watched_clean = wanted is not None and self._watcher is not None and self._watcher.unchanged(root)
         return self._trusted(root, wanted, None, watched_clean=watched_clean) or self._scan(root, source)
@@ -339,7 +342,7 @@ class ToolCatalog:
         with self._locks_lock:
             return self._root_locks.setdefault(root, threading.Lock())
 
-    def _scan(self, root: Path, source: Source, *, log_skips: bool = False) -> _Snapshot:
+    def _scan(self, root: Path, source: Source, *, log_skips: bool = False) -> freshness.Snapshot:
         asked_at = time.monotonic()
         with self._root_lock(root):
             snapshot = self._snapshots.get(root)
@@ -354,12 +357,14 @@ class ToolCatalog:
             tools, skipped, complete = self._scan_root_fully(root, source, names)
             if problems:
                 skipped.insert(0, Skipped(root, source, problems))
-            snapshot = _Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
+            snapshot = freshness.Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
                                  {tool.name: tool for tool in tools}, time.monotonic(), scanned_at)
             previous = self._snapshots.get(root)
             if log_skips:  # the daemon's scans: the operator's log says why a tool is not offered
                 _log_new_skips(previous, snapshot)
-            self._snapshots[root] = snapshot
+            with self._locks_lock:
+                self._snapshots[root] = snapshot
+                self._stored += 1
             if (source == "global" and self.on_global_change is not None
                     and (previous is None or previous.fingerprint != fingerprint)):
                 self.on_global_change()
@@ -378,10 +383,11 @@ class ToolCatalog:
         """A client naming endless users (each a root without tools) must not grow the caches forever."""
         for root in [root for root, snapshot in self._snapshots.items()
                      if root != keep and not snapshot.tools and not snapshot.skipped]:
-            self._snapshots.pop(root, None)
             if self._watcher is not None:
                 self._watcher.forget(root)
             with self._locks_lock:
+                self._snapshots.pop(root, None)
+                self._stored += 1
                 self._root_locks.pop(root, None)
 
     def _root_entries(self, root: Path, source: Source) -> tuple[list[str], list[Problem]]:
@@ -460,7 +466,7 @@ class ToolCatalog:
         return list(by_name.values()), skipped, bool(budget["complete"])
 
 
-def _log_new_skips(previous: _Snapshot | None, snapshot: _Snapshot) -> None:
+def _log_new_skips(previous: freshness.Snapshot | None, snapshot: freshness.Snapshot) -> None:
     """Tell the operator about each directory skipped for a new reason (a scan repeats the old ones)."""
     seen = {(entry.dir, tuple(map(str, entry.problems))) for entry in previous.skipped} if previous else set()
     for entry in snapshot.skipped:
@@ -469,7 +475,7 @@ def _log_new_skips(previous: _Snapshot | None, snapshot: _Snapshot) -> None:
             log.warning("tool_skipped", dir=str(entry.dir), source=entry.source, problems=list(problems[:5]))
 
 
-def _merge(snapshots: Iterable[_Snapshot]) -> tuple[list[Tool], list[Skipped]]:
+def _merge(snapshots: Iterable[freshness.Snapshot]) -> tuple[list[Tool], list[Skipped]]:
     """The roots' tools by name, later roots overriding earlier ones, within MAX_LIST_BYTES."""
     by_name: dict[str, Tool] = {}
     skipped: list[Skipped] = []

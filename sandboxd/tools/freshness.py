@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from sandboxd.tools.manifest import MANIFEST_FILE
-from sandboxd.tools.tool import ENTRY_FILES
+from sandboxd.tools.tool import ENTRY_FILES, Skipped, Tool
 
 # File timestamps come from a coarse clock (the kernel's tick; whole seconds on some
 # filesystems), so a change made within one step of that clock after a scan may leave
@@ -70,3 +71,26 @@ def racy_key(key: tuple[int, int, int, int, int, int], scanned_at_ns: int) -> bo
     mtime_ns, ctime_ns = key[3], key[4]
     window = RACY_WINDOW_FINE_NS if ctime_ns % 1_000_000_000 else RACY_WINDOW_NS
     return max(mtime_ns, ctime_ns) >= scanned_at_ns - window
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """The last full scan of a root, trusted while the root's fingerprint is unchanged."""
+
+    fingerprint: Fingerprint
+    racy: bool
+    tools: list[Tool]
+    skipped: list[Skipped]
+    by_name: dict[str, Tool]
+    verified_at: float  # time.monotonic() of the last full check that held
+    scanned_at: float  # time.monotonic() just before the scan listed the root
+
+    def unchanged(self, root: Path) -> bool:
+        return Fingerprint.take(str(root), list(self.fingerprint.entries)) == self.fingerprint
+
+    def holds_for(self, root: Path, name: str) -> bool:
+        """The cheap check behind get(): the root's entry list, and the files of the tool called ``name``."""
+        if stat_key(str(root)) != self.fingerprint.root:
+            return False
+        tool = self.by_name.get(name)
+        return tool is None or entry_keys(str(root), tool.dir.name) == self.fingerprint.entries.get(tool.dir.name)

@@ -55,6 +55,7 @@ class RootWatcher:
         self._roots_by_wd: dict[int, set[Path]] = {}
         self._wds_by_root: dict[Path, list[int]] = {}
         self._clean: set[Path] = set()  # armed roots no event has touched since
+        self._version = 0  # grows whenever a root may have left _clean: what was concluded from it is void
         self._queued = bytearray(4)  # FIONREAD's answer: bytes in the queue
         self._finalizer = weakref.finalize(self, os.close, fd)
 
@@ -98,6 +99,12 @@ class RootWatcher:
             self._clean.add(root)
             return True
 
+    def version(self) -> int:
+        """After one read of the queue: the count of times a root may have left the clean ones so far."""
+        with self._lock:
+            self._drain()
+            return self._version
+
     def unchanged(self, root: Path) -> bool:
         """``root`` is watched and no event touched it since its scan (one read of the queue, usually empty)."""
         return bool(self.clean((root,)))
@@ -114,6 +121,7 @@ class RootWatcher:
 
     def _forget(self, root: Path) -> None:
         self._clean.discard(root)
+        self._version += 1
         for wd in self._wds_by_root.pop(root, ()):
             roots = self._roots_by_wd.get(wd)
             if roots is None:
@@ -137,8 +145,10 @@ class RootWatcher:
             except OSError as exc:  # pragma: no cover - the queue cannot be read: trust nothing
                 if exc.errno != errno.EINTR:
                     self._clean.clear()
+                    self._version += 1
                     return
                 continue
+            self._version += 1  # the events below may touch any root
             offset = 0
             while offset < len(data):
                 wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)

@@ -575,6 +575,42 @@ def test_roots_past_the_watch_budget_are_stat_checked(data: Path, stat_calls: li
     catalog.close()
 
 
+def test_a_scan_stored_after_lookup_answered_from_the_last_one_is_what_the_next_lookup_sees(
+        data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lookup() keeps each user's tools by name while nothing changed: a scan that stores its result
+    must void that, also when lookup() built it during the scan, from the scan before (no event comes)."""
+    import threading
+
+    tool_dir = write_tool(global_root(data), "a")
+    time.sleep(0.1)  # out of the racy window: these scans are trusted
+    catalog = ToolCatalog(data)
+    catalog.tools(USER)
+    assert lookup(catalog, "a").manifest.version == 1
+    manifest = tool_dir / "TOOL.md"
+    manifest.write_text(manifest.read_text().replace("version: 1", "version: 2"))
+    time.sleep(0.1)
+    entered, release = threading.Event(), threading.Event()
+    real = discovery._parse
+
+    def parse(manifest_path: Path, root: Path):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        return real(manifest_path, root)
+
+    monkeypatch.setattr(discovery, "_parse", parse)
+    with ThreadPoolExecutor(1) as pool:
+        scan = pool.submit(catalog.tools, USER)
+        try:
+            assert entered.wait(5)
+            # The root is watched again and the scan has not stored its result yet: the last one answers.
+            assert lookup(catalog, "a").manifest.version == 1
+        finally:
+            release.set()
+        scan.result(timeout=10)
+    assert lookup(catalog, "a").manifest.version == 2
+    catalog.close()
+
+
 def test_a_user_tools_root_made_after_the_scan_is_seen_at_the_next_lookup(data: Path, stat_calls: list[str]) -> None:
     write_tool(global_root(data), "a")
     catalog = ToolCatalog(data)
