@@ -72,44 +72,57 @@ def validate_arguments(schema: dict[str, Any], arguments: object, *, tool: str |
     Raises InvalidParams naming every violation at once; ``data`` lists them.
     Values of writeOnly (sensitive) arguments never appear in the message.
     """
-    if not isinstance(arguments, dict):
-        raise _invalid(tool, [Violation(None, f"arguments must be an object, got {_json_type(arguments)}")])
-    properties: dict[str, dict[str, Any]] = schema.get("properties", {})
-    required = schema.get("required", ())
-    violations: list[Violation] = []
-    result: dict[str, Any] = {}
+    return ArgumentsCheck(schema, tool)(arguments)
 
-    for name, prop in properties.items():
-        if name in arguments:
-            value = arguments[name]
-        elif "default" in prop:
-            value = copy.deepcopy(prop["default"])
-        else:
-            if name in required:
-                violations.append(Violation(name, f"{_quote(name)} is required ({_expected(prop)})"))
-            continue
-        coerced = coerce(value, prop["type"])
-        if coerced is _INVALID:  # the value is shown only here: encoding it on every call cost as much as the check
-            shown = f"a {_json_type(value)}" if prop.get("writeOnly") else _show(value)
-            violations.append(Violation(name, f"{_quote(name)} must be {_a(prop['type'])}, got {shown}"))
-        elif "enum" in prop and coerced not in prop["enum"]:
-            shown = "another value" if prop.get("writeOnly") else _show(coerced)
-            violations.append(Violation(name, f"{_quote(name)} must be one of {_choices(prop)}, got {shown}"))
-        else:
-            result[name] = coerced
 
-    for name in arguments:
-        if name in properties:
-            continue
-        if schema.get("additionalProperties", True) is False:
-            known = ", ".join(properties) or "none: it takes no arguments"
-            violations.append(Violation(name, f"{_quote(name)} is not an input of this tool (inputs: {known})"))
-        else:
-            result[name] = copy.deepcopy(arguments[name])
+class ArgumentsCheck:
+    """validate_arguments for one schema, with what each call needs of the schema looked up once
+    (a Tool keeps one: a warm call checks its arguments without reading the schema again)."""
 
-    if violations:
-        raise _invalid(tool, violations)
-    return result
+    def __init__(self, schema: dict[str, Any], tool: str | None = None) -> None:
+        self.tool = tool
+        self._properties: dict[str, dict[str, Any]] = schema.get("properties", {})
+        self._required = schema.get("required", ())
+        self._closed = schema.get("additionalProperties", True) is False
+
+    def __call__(self, arguments: object) -> dict[str, Any]:
+        if not isinstance(arguments, dict):
+            raise _invalid(self.tool, [Violation(None, f"arguments must be an object, got {_json_type(arguments)}")])
+        violations: list[Violation] = []
+        result: dict[str, Any] = {}
+        for name, prop in self._properties.items():
+            if name in arguments:
+                value = arguments[name]
+            elif "default" in prop:
+                value = copy.deepcopy(prop["default"])
+            else:
+                if name in self._required:
+                    violations.append(Violation(name, f"{_quote(name)} is required ({_expected(prop)})"))
+                continue
+            coerced = coerce(value, prop["type"])
+            if coerced is _INVALID:  # the value is shown only here: encoding it on every call cost as much as the check
+                shown = f"a {_json_type(value)}" if prop.get("writeOnly") else _show(value)
+                violations.append(Violation(name, f"{_quote(name)} must be {_a(prop['type'])}, got {shown}"))
+            elif "enum" in prop and coerced not in prop["enum"]:
+                shown = "another value" if prop.get("writeOnly") else _show(coerced)
+                violations.append(Violation(name, f"{_quote(name)} must be one of {_choices(prop)}, got {shown}"))
+            else:
+                result[name] = coerced
+        if not self._properties.keys() >= arguments.keys():  # names it does not declare (one look, in C)
+            self._extra(arguments, result, violations)
+        if violations:
+            raise _invalid(self.tool, violations)
+        return result
+
+    def _extra(self, arguments: dict[str, Any], result: dict[str, Any], violations: list[Violation]) -> None:
+        for name in arguments:
+            if name in self._properties:
+                continue
+            if self._closed:
+                known = ", ".join(self._properties) or "none: it takes no arguments"
+                violations.append(Violation(name, f"{_quote(name)} is not an input of this tool (inputs: {known})"))
+            else:
+                result[name] = copy.deepcopy(arguments[name])
 
 
 def _invalid(tool: str | None, violations: list[Violation]) -> InvalidParams:

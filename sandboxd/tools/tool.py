@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from sandboxd.tools.manifest import Manifest
 from sandboxd.tools.problem import Problem
-from sandboxd.tools.schema import input_schema, sensitive_names
+from sandboxd.tools.schema import ArgumentsCheck, input_schema, sensitive_names
 
 ENTRY_FILES = ("index.ts", "index.js")  # in order of preference
 Source = Literal["global", "user"]
@@ -32,6 +32,11 @@ class Tool:
     def schema(self) -> dict[str, Any]:
         """The inputSchema; shared, so treat it as read-only (to_protocol hands out copies)."""
         return input_schema(self.manifest)
+
+    @cached_property
+    def check_arguments(self) -> ArgumentsCheck:
+        """A call's arguments checked and coerced against the inputSchema (schema.validate_arguments)."""
+        return ArgumentsCheck(self.schema, self.name)
 
     @cached_property
     def sensitive(self) -> frozenset[str]:

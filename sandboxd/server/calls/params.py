@@ -13,7 +13,6 @@ from sandboxd.errors import InvalidParams
 from sandboxd.sandbox.backend import reserved_env
 from sandboxd.server.rpc import is_request_id
 from sandboxd.tools.discovery import Tool, ToolCatalog
-from sandboxd.tools.schema import validate_arguments
 from sandboxd.users import check_user
 
 # A generated toolCallId: unique within this daemon's life, random across its starts
@@ -51,23 +50,25 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
     if not isinstance(name, str) or not name:
         raise InvalidParams("'name' is required: the tool to call, as tools/list names it.")
     meta = params.get("_meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
-    token = meta.get("progressToken") if meta is not None else None
-    if token is not None and not is_request_id(token):  # a token is what an id may be (docs/protocol.md)
-        raise InvalidParams("'_meta.progressToken' must be a string or a number (that fits a double).")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise InvalidParams("'_meta' must be an object like {\"progressToken\": \"t1\"}.")
+        token = meta.get("progressToken")
+        if token is not None and not is_request_id(token):  # a token is what an id may be (docs/protocol.md)
+            raise InvalidParams("'_meta.progressToken' must be a string or a number (that fits a double).")
     tool = catalog.lookup(name, user, since=since)
     if tool is None:
         known = ", ".join(catalog.known_names(user)[:20]) or "none"
         raise InvalidParams(f"unknown tool {name!r} for {user}; tools/list shows the tools (known: {known}).")
     arguments = params.get("arguments", {})
-    arguments = validate_arguments(tool.schema, {} if arguments is None else arguments, tool=tool.name)
+    arguments = tool.check_arguments({} if arguments is None else arguments)
     tool_call_id = params.get("toolCallId")
     if tool_call_id is None:
         tool_call_id = next(_GENERATED_IDS)
     elif not isinstance(tool_call_id, str) or not tool_call_id or len(tool_call_id) > 256:
         raise InvalidParams("'toolCallId' must be a non-empty string of at most 256 characters.")
-    env = _check_env(params.get("env"), config.calls.allowed_env, config.egress.secrets)
+    env = params.get("env")
+    env = {} if env is None else _check_env(env, config.calls.allowed_env, config.egress.secrets)
     timeout_ms = params.get("timeoutMs")
     if timeout_ms is None:
         timeout_ms = config.calls.default_timeout_ms
@@ -78,8 +79,6 @@ def parse_call_params(params: Any, catalog: ToolCatalog, config: Config, *, sinc
 
 
 def _check_env(env: Any, allowed: list[str], secrets: Mapping[str, list[str]] | None = None) -> dict[str, str]:
-    if env is None:
-        return {}
     if not isinstance(env, dict):
         raise InvalidParams("'env' must be an object of string values.")
     problems = []
