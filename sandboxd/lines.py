@@ -8,6 +8,7 @@ the lines around it; what that means (answer and go on, or break) is the reader'
 
 from __future__ import annotations
 
+import sys
 from typing import Final, Generator
 
 
@@ -22,33 +23,32 @@ TOO_LONG: Final = _TooLong()
 class LineBuffer:
     def __init__(self, max_line: int | None = None) -> None:
         self.max_line = max_line  # None: no limit (a reader that trusts its peer, like the client)
+        self._limit = sys.maxsize if max_line is None else max_line
         self._buffer = bytearray()
         self._skipping = False  # inside an over-long line, dropping bytes up to its \n
 
     def feed(self, data: bytes) -> Generator[bytes | _TooLong, None, None]:
         """The complete lines ``data`` ends; what a reader that breaks out early leaves comes with the next feed."""
-        buffer, limit = self._buffer, self.max_line
+        buffer, limit = self._buffer, self._limit
         buffer += data
         start = 0
         try:
-            while True:
-                end = buffer.find(b"\n", start)
-                if end < 0:
-                    break
+            if self._skipping:  # the over-long line's bytes up to its \n are dropped
+                start = buffer.find(b"\n") + 1
+                if not start:
+                    return
+                self._skipping = False
+            while (end := buffer.find(b"\n", start)) >= 0:
                 line_start, start = start, end + 1
-                if self._skipping:
-                    self._skipping = False
-                    continue
-                if limit is not None and end - line_start > limit:
+                if end - line_start > limit:
                     yield TOO_LONG
                     continue
                 if end > line_start and buffer[end - 1] == 0x0D:  # \r
                     end -= 1
                 if end > line_start:
                     yield bytes(buffer[line_start:end])
-            if limit is not None and len(buffer) - start > limit and not self._skipping:
+            if len(buffer) - start > limit:
                 self._skipping = True
-                start = len(buffer)
                 yield TOO_LONG
         finally:
             if self._skipping:
