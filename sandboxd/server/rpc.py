@@ -94,11 +94,11 @@ class Dispatcher:
         self._send({"jsonrpc": "2.0", "id": request_id, "error": error_body(exc, method)})
 
     def handle_line(self, line: bytes) -> None:
-        if not line.strip():
-            return
         try:
             request_id, method, params, is_request = _parse(line)
         except _Refused as refused:
+            if not line.strip():
+                return  # a blank line is no message (only here: stripping every line cost a copy of it)
             return self._send({"jsonrpc": "2.0", "id": refused.request_id,
                                "error": {"code": refused.code, "message": refused.message}})
         if not is_request:
@@ -175,9 +175,9 @@ def _parse(line: bytes) -> tuple[Any, str, Any, bool]:
         raise _Refused(PARSE_ERROR, "message is nested too deeply to parse.") from None
     except ValueError as exc:
         raise _Refused(PARSE_ERROR, f"message is not JSON: {exc}.") from None
-    if isinstance(message, list):
-        raise _Refused(INVALID_REQUEST, "batches are not supported; send one request per line.")
     if not isinstance(message, dict):
+        if isinstance(message, list):
+            raise _Refused(INVALID_REQUEST, "batches are not supported; send one request per line.")
         raise _Refused(INVALID_REQUEST, "a message must be a JSON-RPC 2.0 object.")
     request_id = message.get("id")
     if request_id is not None and not is_request_id(request_id):
