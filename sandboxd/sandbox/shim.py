@@ -105,11 +105,8 @@ class ShimChannel:
             self.fail("the sandbox sent a protocol message that is not an object.")
             return
         method = message.get("method")
-        params = message.get("params")
-        if not isinstance(params, dict):
-            params = {}
         if method == "ready" and not self.ready.done():
-            self.ready.set_result(params)
+            self.ready.set_result(_params(message))
             return
         # The shim never speaks unasked (docs/shim.md): whatever else comes while no call
         # runs, or is about another call, was written by the tool. A forged line must not
@@ -117,12 +114,12 @@ class ShimChannel:
         if self._call_future is None:
             self.fail(f"the sandbox sent a protocol message ({_kind(message)}) while no call was running: "
                       "a tool wrote to the shim's protocol stream. Its sandbox was replaced.")
-        elif method == "progress" and params.get("id") == self._call_id:
+        elif method is None and message.get("id") == self._call_id and ("result" in message or "error" in message):
+            self._settle(message)  # first: every call has its answer, few have progress
+        elif method == "progress" and (params := _params(message)).get("id") == self._call_id:
             if self._on_progress is not None and not self._call_future.done():  # dropped once the daemon gave up
                 content = params.get("content")
                 self._on_progress(content if isinstance(content, list) else [])
-        elif method is None and message.get("id") == self._call_id and ("result" in message or "error" in message):
-            self._settle(message)
         else:
             self.fail(f"the sandbox sent a protocol message ({_kind(message)}) that is not about the running call: "
                       "a tool wrote to the shim's protocol stream. Its sandbox was replaced.")
@@ -163,6 +160,12 @@ class ShimChannel:
         if self._call_future is not None and not self._call_future.done():
             self._call_future.set_exception(error)
         self._call_future = None
+
+
+def _params(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's params, or none when they are not an object."""
+    params = message.get("params")
+    return params if isinstance(params, dict) else {}
 
 
 def _kind(message: dict[str, Any]) -> str:
@@ -231,7 +234,8 @@ class ShimSandbox:
             self._secrets |= guard.secrets  # a new set: egress contexts handed out hold the old one
         future = self.channel.call(request, on_progress)
         self._running_tool = guard.tool or None
-        self._stand_ins = request.stand_ins or NO_STAND_INS
+        # An empty StandIns serves as none: tested for None, not for truth (a Python __bool__ per call).
+        self._stand_ins = request.stand_ins if request.stand_ins is not None else NO_STAND_INS
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()
         future.add_done_callback(self._call_ended)

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from sandboxd import strictjson
+from sandboxd.sandbox.backend import container_entry_path
 from sandboxd.server.calls import params
 from sandboxd.service.metrics import CALL_SECONDS_BUCKETS, CallStats
+from sandboxd.tools.manifest import Manifest
+from sandboxd.tools.tool import Tool
 
 
 def test_an_answer_is_one_line_of_compact_utf8_json() -> None:
@@ -87,3 +91,12 @@ def test_generated_tool_call_ids_are_unique_and_look_like_call_hex() -> None:
     assert len(set(ids)) == 1000
     assert all(re.fullmatch(r"call_[0-9a-f]{16,}", i) for i in ids)
     assert len({i[:13] for i in ids}) == 1  # one random prefix per daemon, not a read of the kernel's per call
+
+
+def test_an_entry_path_in_the_sandbox_is_where_docs_tools_md_mounts_its_tool() -> None:
+    manifest = Manifest(name="hello", label="Hello", description="D.", version=1, language="typescript",
+                        inputs=(), body="", path=Path("TOOL.md"))  # not read: the path is the folder's and entry's
+    folder = Path("/var/lib/sandboxd/alice@example.com/tools/hello.v2")
+    assert container_entry_path(Tool(manifest, folder, folder / "index.ts", "user")) == "/officer/user/tools/hello.v2/index.ts"
+    folder = Path("/var/lib/sandboxd/tools/hello")
+    assert container_entry_path(Tool(manifest, folder, folder / "index.js", "global")) == "/officer/tools/hello/index.js"
