@@ -139,7 +139,7 @@ class CallContext:
 
     def start_running(self, sandbox: Sandbox, future: asyncio.Future[dict[str, Any]], timeout_s: float) -> None:
         self.phase, self.sandbox, self._future = Phase.RUNNING, sandbox, future
-        self._timers.append(future.get_loop().call_later(timeout_s, _fail, future, TimedOut()))
+        self._timers.append(future.get_loop().call_later(timeout_s, _time_out, future))
 
     def finish(self) -> None:
         self.phase = Phase.DONE
@@ -152,3 +152,8 @@ class CallContext:
 def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _time_out(future: asyncio.Future[Any]) -> None:
+    """The call's deadline passed. Its exception is made only now: few calls reach their deadline."""
+    _fail(future, TimedOut())

@@ -39,9 +39,10 @@ class Calls:
             # call is checked after a new scan, in flight from now, so that a cancel or a disconnect finds it.
             call = None
         assert isinstance(params, dict)  # the check refused anything else
-        meta = params["_meta"] if isinstance(params.get("_meta"), dict) else {}
+        meta = params.get("_meta")
+        token = meta.get("progressToken", request_id) if isinstance(meta, dict) else request_id
         ctx = CallContext()
-        on_progress = _progress_notifier(ctx, meta.get("progressToken", request_id), send)
+        on_progress = _progress_notifier(ctx, token, send)
         return Later(self.answer(ctx, params, arrived, call, on_progress), ctx)
 
     async def answer(self, ctx: CallContext, params: dict[str, Any], arrived: float, call: CallParams | None,
