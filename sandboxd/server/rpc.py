@@ -75,9 +75,11 @@ def error_body(exc: BaseException, method: str | None = None) -> dict[str, Any]:
 
 def is_request_id(value: Any) -> bool:
     """A string or a number (not a bool), that JavaScript reads back as itself."""
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, bool):
         return False
-    return not (isinstance(value, int) and abs(value) > strictjson.MAX_DOUBLE_INT)
+    if isinstance(value, int):  # past a double's range, JavaScript reads it as Infinity
+        return abs(value) <= strictjson.MAX_DOUBLE_INT
+    return isinstance(value, (str, float))
 
 
 class Dispatcher:
