@@ -155,7 +155,8 @@ class Connection(asyncio.Protocol):
                     return
         finally:
             lines.close()  # what was not handled stays in the buffer for the next turn
-        self._resume("turn")
+        if self._paused:  # (nearly never: asked here, it spares every message a call)
+            self._resume("turn")
 
     def _pause(self, reason: str) -> None:
         if not self._paused and self.transport is not None and not self.transport.is_closing():
