@@ -602,7 +602,8 @@ def test_a_scan_stored_after_lookup_answered_from_the_last_one_is_what_the_next_
         scan = pool.submit(catalog.tools, USER)
         try:
             assert entered.wait(5)
-            # The root is watched again and the scan has not stored its result yet: the last one answers.
+            # Armed again, the root is clean before this scan stores: the last scan answers meanwhile (a window
+            # older than lookup()'s cache), and the cache is built from it, which the store must void.
             assert lookup(catalog, "a").manifest.version == 1
         finally:
             release.set()
