@@ -44,6 +44,8 @@ class FakeSandbox:
         self._exit_callbacks: list[Callable[[], None]] = []
         self._task: asyncio.Task[Any] | None = None
         self._future: asyncio.Future[dict[str, Any]] | None = None
+        # Its backend starts it on the loop it serves; looked up once (a getpid() per lookup in Python 3.11).
+        self._loop = asyncio.get_running_loop()
         self.aborted = asyncio.Event()
         # The latest call and what it was held to; not every call: a long bench run makes millions.
         self.last_call: tuple[CallRequest, CallGuard] | None = None
@@ -56,7 +58,7 @@ class FakeSandbox:
 
     def call(self, request: CallRequest, on_progress: ProgressCallback,
              guard: CallGuard = CallGuard()) -> asyncio.Future[dict[str, Any]]:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         if not self._alive:
             # The contract the pool relies on: a dead sandbox is never handed a call.
