@@ -164,7 +164,7 @@ class ToolCatalog:
         self._parsed: dict[Path, dict[Path, _Parsed]] = {}
         self._tools: dict[Path, dict[Path, Tool]] = {}  # kept so a Tool's cached schema survives listings
         self._snapshots: dict[Path, freshness.Snapshot] = {}
-        self._stored = 0  # grows whenever _snapshots changes (under _locks_lock: scans store from threads)
+        self._stored = 0  # grows whenever a snapshot is dropped (under _locks_lock: scans drop them from threads)
         self._routes: dict[str | None, tuple[tuple[int, int], dict[str, Tool]]] = {}  # per user: _route()
         self._roots_by_user: dict[str | None, list[tuple[Path, Source]]] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -345,9 +345,9 @@ class ToolCatalog:
     def _scan(self, root: Path, source: Source, *, log_skips: bool = False) -> freshness.Snapshot:
         asked_at = time.monotonic()
         with self._root_lock(root):
-            snapshot = self._snapshots.get(root)
-            if snapshot is not None and snapshot.scanned_at >= asked_at:
-                return snapshot  # another thread scanned it while this one waited for the lock
+            previous = self._snapshots.get(root)
+            if previous is not None and previous.scanned_at >= asked_at:
+                return previous  # another thread scanned it while this one waited for the lock
             # The fingerprint is taken before the scan: a change made during it shows at the next listing.
             scanned_at, scanned_at_ns = time.monotonic(), time.time_ns()
             names, problems = self._root_entries(root, source)
@@ -359,12 +359,9 @@ class ToolCatalog:
                 skipped.insert(0, Skipped(root, source, problems))
             snapshot = freshness.Snapshot(fingerprint, not complete or fingerprint.racy(scanned_at_ns), tools, skipped,
                                  {tool.name: tool for tool in tools}, time.monotonic(), scanned_at)
-            previous = self._snapshots.get(root)
             if log_skips:  # the daemon's scans: the operator's log says why a tool is not offered
                 _log_new_skips(previous, snapshot)
-            with self._locks_lock:
-                self._snapshots[root] = snapshot
-                self._stored += 1
+            self._snapshots[root] = snapshot
             if (source == "global" and self.on_global_change is not None
                     and (previous is None or previous.fingerprint != fingerprint)):
                 self.on_global_change()
@@ -375,6 +372,9 @@ class ToolCatalog:
     def _arm(self, root: Path, source: Source, names: list[str]) -> None:
         """Watch what this scan reads before it reads it; listed again, so an entry added meanwhile is not missed."""
         assert self._watcher is not None
+        with self._locks_lock:  # armed, the root is clean before this scan reads it: its last scan is trusted no more
+            self._snapshots.pop(root, None)
+            self._stored += 1
         if self._watcher.arm(root, [root / name for name in names if (root / name).is_dir()], stop_at=self.data_path) \
                 and self._root_entries(root, source)[0] != names:
             self._watcher.forget(root)
