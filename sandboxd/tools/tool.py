@@ -24,7 +24,7 @@ class Tool:
     entry: Path
     source: Source
 
-    @property
+    @cached_property  # read a few times per call: once cached, a plain attribute
     def name(self) -> str:
         return self.manifest.name
 
