@@ -647,6 +647,32 @@ OPS = st.lists(st.one_of(
 ), max_size=40)
 
 
+async def play(pool: Pool, op: tuple[Any, ...], callers: list[asyncio.Future[Any]], held: list[Any],
+               clock: Clock | None = None) -> None:
+    """One step of a random interleaving; then the callers served join ``held``."""
+    if op[0] == "acquire":
+        callers.append(asyncio.ensure_future(pool.acquire(op[1])))
+    elif op[0] == "release" and held:
+        pool.release(held.pop(op[1] % len(held)), reusable=op[2])
+    elif op[0] == "cancel":
+        waiting = [c for c in callers if not c.done()]
+        if waiting:
+            waiting[op[1] % len(waiting)].cancel()
+    elif op[0] == "tick" and clock is not None:
+        clock.now += op[1]
+    elif op[0] == "die":  # an idle sandbox dies on its own
+        idle = [p for p in pool._sandboxes if p.current is State.IDLE and p.sandbox is not None]
+        if idle:
+            idle[op[1] % len(idle)].sandbox.die()
+    elif op[0] == "maintain":
+        pool.maintain()
+    await settle()
+    for caller in [c for c in callers if c.done()]:
+        callers.remove(caller)
+        if not caller.cancelled() and caller.exception() is None:
+            held.append(caller.result())
+
+
 def check_invariants(pool: Pool) -> None:
     cfg = pool.config
     assert len(pool._sandboxes) <= cfg.max_total
@@ -681,19 +707,7 @@ def test_any_interleaving_keeps_the_limits_serves_idle_sandboxes_and_ends_with_e
         callers: list[asyncio.Future[Any]] = []
         held: list[Any] = []
         for op in ops:
-            if op[0] == "acquire":
-                callers.append(asyncio.ensure_future(pool.acquire(op[1])))
-            elif op[0] == "release" and held:
-                pool.release(held.pop(op[1] % len(held)), reusable=op[2])
-            elif op[0] == "cancel":
-                waiting = [c for c in callers if not c.done()]
-                if waiting:
-                    waiting[op[1] % len(waiting)].cancel()
-            await settle()
-            for caller in [c for c in callers if c.done()]:
-                callers.remove(caller)
-                if not caller.cancelled():
-                    held.append(caller.result())
+            await play(pool, op, callers, held)
             check_invariants(pool)
         # Everyone still waiting is served once the others give their sandboxes back.
         for _ in range(100):
@@ -766,23 +780,7 @@ def test_a_caller_alone_gets_what_a_plan_would_hand_them(ops: list[tuple[Any, ..
         callers: list[asyncio.Future[Any]] = []
         held: list[Any] = []
         for op in ops:
-            if op[0] == "acquire":
-                callers.append(asyncio.ensure_future(pool.acquire(op[1])))
-            elif op[0] == "release" and held:
-                pool.release(held.pop(op[1] % len(held)), reusable=op[2])
-            elif op[0] == "tick":
-                clock.now += op[1]
-            elif op[0] == "die":
-                idle = [p for p in pool._sandboxes if p.current is State.IDLE and p.sandbox is not None]
-                if idle:
-                    idle[op[1] % len(idle)].sandbox.die()
-            elif op[0] == "maintain":
-                pool.maintain()
-            await settle()
-            for caller in [c for c in callers if c.done()]:
-                callers.remove(caller)
-                if not caller.cancelled() and caller.exception() is None:
-                    held.append(caller.result())
+            await play(pool, op, callers, held, clock)
             check_alone_matches_plan(pool)
             check_invariants(pool)
         for pooled in held:
