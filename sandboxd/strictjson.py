@@ -65,12 +65,13 @@ _NINETEEN_DIGITS = b"#" * 19  # an integer of 19 digits may be past 64 bits
 
 
 def _as_stdlib_reads(data: bytes, written: bytes, unique_keys: bool) -> bool:
-    """Whether the stdlib reads ``data`` as orjson did, given orjson's reading written back out (``written``)."""
-    if _NINETEEN_DIGITS in data.translate(_DIGIT_TO_HASH):
+    """Whether the stdlib reads ``data`` as orjson did, given orjson's reading written back out (``written``).
+    ``find``, not ``in``: ``needle in data`` first tries the needle as an int, raising and clearing a TypeError."""
+    if data.translate(_DIGIT_TO_HASH).find(_NINETEEN_DIGITS) >= 0:
         return False  # an integer past 64 bits, which orjson makes a float: the stdlib keeps it exact
     # Where a key came twice, orjson kept the last pair and dropped the other, key and all: written back
     # out, the value has fewer '"' than ``data`` (a '"' is written as \", so only \u0022 could hide that).
-    return not unique_keys or (data.count(b'"') == written.count(b'"') and b"\\u0022" not in data)
+    return not unique_keys or (data.count(b'"') == written.count(b'"') and data.find(b"\\u0022") < 0)
 
 
 def loads(data: str | bytes, *, unique_keys: bool = False) -> Any:

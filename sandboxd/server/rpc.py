@@ -121,7 +121,8 @@ class Dispatcher:
         except Exception as exc:
             return self.reply_error(request_id, exc, method)
         self._in_flight[request_id] = answer.request
-        task = asyncio.get_running_loop().create_task(self._answer(request_id, method, answer.work))
+        # Named by its method: a task made without a name has a "Task-<n>" formatted for it (uvloop's create_task too).
+        task = asyncio.Task(self._answer(request_id, method, answer.work), loop=asyncio.get_running_loop(), name=method)
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
 
