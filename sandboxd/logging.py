@@ -26,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections import defaultdict
 import os
 import sys
 import time
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, MutableMapping
 
 import structlog
