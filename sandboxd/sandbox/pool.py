@@ -118,7 +118,7 @@ class Pool:
         self._last_call[user] = self._clock()
         self._replan(user)
 
-    def release(self, pooled: PooledSandbox, *, reusable: bool, counted: bool = True) -> None:
+    def release(self, pooled: PooledSandbox, reusable: bool, *, counted: bool = True) -> None:
         """Give a sandbox back after a call. Not reusable (crashed, timed out, would not cancel) → destroyed."""
         now = self._clock()
         if counted:

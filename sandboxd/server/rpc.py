@@ -87,7 +87,8 @@ class Dispatcher:
         self._send = send
         self._methods = methods
         self._in_flight: dict[Any, InFlight | None] = {}  # by request id, until answered
-        self._answering: set[asyncio.Task[None]] = set()  # the tasks that answer them
+        # The tasks that answer them (the loop keeps only a weak reference), by id: dropped as they answer.
+        self._answering: dict[Any, asyncio.Task[None]] = {}
 
     def reply(self, request_id: Any, result: Result) -> None:
         self._send({"jsonrpc": "2.0", "id": request_id, "result": result})
@@ -122,19 +123,24 @@ class Dispatcher:
             return self.reply_error(request_id, exc, method)
         self._in_flight[request_id] = answer.request
         # Named by its method: a task made without a name has a "Task-<n>" formatted for it (uvloop's create_task too).
-        task = asyncio.Task(self._answer(request_id, method, answer.work), loop=asyncio.get_running_loop(), name=method)
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
+        self._answering[request_id] = asyncio.Task(self._answer(request_id, method, answer.work),
+                                                   loop=asyncio.get_running_loop(), name=method)
 
     async def _answer(self, request_id: Any, method: str, work: Coroutine[Any, Any, Result | None]) -> None:
         try:
             result = await work
         except Exception as exc:
-            del self._in_flight[request_id]  # free before the answer: a client may reuse it once answered
+            self._done(request_id)
             return self.reply_error(request_id, exc, method)
-        del self._in_flight[request_id]
+        self._done(request_id)
         if result is not None:
             self.reply(request_id, result)
+
+    def _done(self, request_id: Any) -> None:
+        """Free the id before the answer goes out: a client may reuse it once answered. (The running
+        task needs no reference of ours: the loop holds it until this step ends.)"""
+        del self._in_flight[request_id]
+        del self._answering[request_id]
 
     def _cancel(self, params: Any) -> None:
         """notifications/cancelled: cancel the request of ``params.requestId`` if it is in flight here."""

@@ -298,7 +298,7 @@ class Server:
 
     def methods(self, connection: Connection) -> Mapping[str, Method]:
         return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools,
-                "tools/call": functools.partial(self.calls.start, send=connection.send),
+                "tools/call": functools.partial(self.calls.start, connection.send),
                 "tools/watch": lambda _id, params: Later(self.watch.watch(connection, connection.send, params)),
                 "sandbox/status": lambda _id, _params: self.status()}
 

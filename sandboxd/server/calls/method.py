@@ -23,7 +23,7 @@ class Calls:
         self._stopping = stopping
         self.in_flight: set[CallContext] = set()  # from their first step to their answer: what shutdown waits for
 
-    def start(self, request_id: Any, params: Any, send: Callable[[dict[str, Any]], None]) -> Later:
+    def start(self, send: Callable[[dict[str, Any]], None], request_id: Any, params: Any) -> Later:
         """The tools/call method (``send``: to its client): admit and check what can be checked now;
         the rest is the dispatcher's to await, and the context its cancels reach."""
         arrived = time.monotonic()

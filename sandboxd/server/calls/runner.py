@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import re
 import time
@@ -101,7 +100,7 @@ class CallRunner:
                         ctx.finish()
                         # Released just after the answer is written (the dispatcher sends it when this returns):
                         # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
-                        loop.call_soon(functools.partial(self.pool.release, pooled, reusable=reusable))
+                        loop.call_soon(self.pool.release, pooled, reusable)
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
