@@ -18,26 +18,32 @@ GRANT_ENDED = "the call that granted it has been answered"
 class CallGrant:
     """One call's grant: the proxy's connections admitted under it, all ended by ``end``."""
 
+    __slots__ = ("_held", "ended")
+
     def __init__(self) -> None:
-        self._held: set[asyncio.Task[None]] = set()
+        # Made by the first connection: every Docker call has a grant, few open a connection under it.
+        self._held: set[asyncio.Task[None]] | None = None
         self.ended = False
 
     def __repr__(self) -> str:
-        return f"<CallGrant {'ended' if self.ended else 'running'} connections={len(self._held)}>"
+        return f"<CallGrant {'ended' if self.ended else 'running'} connections={len(self._held or ())}>"
 
     def hold(self, connection: asyncio.Task[None]) -> bool:
         """Tie ``connection`` (the task serving it) to the call; False when the call has been answered."""
         if self.ended:
             return False
+        if self._held is None:
+            self._held = set()
         self._held.add(connection)
         return True
 
     def release(self, connection: asyncio.Task[None]) -> None:
-        self._held.discard(connection)
+        if self._held is not None:
+            self._held.discard(connection)
 
     def end(self) -> None:
         """The call is answered: every connection held under it ends now (its task is cancelled)."""
         self.ended = True
-        for connection in list(self._held):
+        held, self._held = self._held, None
+        for connection in held or ():
             connection.cancel()
-        self._held.clear()
