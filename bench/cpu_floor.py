@@ -32,7 +32,7 @@ import orjson
 
 from bench import callgrind
 from bench.daemon import REPO, sequential_calls
-from bench.load import daemon_call_line, process_cpu
+from bench.load import daemon_call_line, process_cpu_split
 from bench.wire import LineSocket
 from sandboxd import strictjson
 
@@ -180,13 +180,14 @@ class CpuFloor:
             raise
         return self
 
-    def cpu_seconds(self, requests: int) -> float:
-        """The server's CPU seconds for ``requests`` back-to-back requests, as the daemon's calls are timed."""
+    def cpu_seconds(self, requests: int) -> tuple[float, float]:
+        """The server's user and system CPU seconds for ``requests`` back-to-back requests, as the daemon's calls are timed."""
         assert self._conn is not None
-        cpu0 = process_cpu(self._server.pid)
+        user0, system0 = process_cpu_split(self._server.pid)
         sequential_calls(self._conn, daemon_call_line(USER), requests, first_id=self._next_id)
         self._next_id += requests
-        return process_cpu(self._server.pid) - cpu0
+        user1, system1 = process_cpu_split(self._server.pid)
+        return user1 - user0, system1 - system0
 
     def __exit__(self, *exc: Any) -> None:
         if self._conn is not None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from bench import callgrind, cpu_floor
 from bench.daemon import BenchDaemon, sequential_calls
-from bench.load import daemon_call_line, process_cpu
+from bench.load import daemon_call_line, process_cpu_split
 
 # Under valgrind the daemon runs ~50× slower: a sandbox's start, and its first call, get the time they need.
 # What it does per second rather than per call would be counted ~50× more per call, so: its calls' log lines
@@ -60,7 +60,8 @@ def count(root: Path, config_yaml: str, user: str, calls: int, warmup: int,
 def cpu_per_call(root: Path, config_yaml: str, user: str, calls: int, warmup: int,
                  floor: cpu_floor.CpuFloor | None = None) -> dict[str, Any]:
     """The same calls' daemon CPU in µs per call, not under valgrind (moves with the machine's load), in
-    rounds alternating with ``floor``'s requests; with a floor, its CPU µs per call in those rounds too."""
+    rounds alternating with ``floor``'s requests; with a floor, its CPU µs per call in those rounds too.
+    Each beside its system part: the kernel's work for the process's reads, writes and waits."""
     daemon = BenchDaemon(root, config_yaml, fresh_tools=0)
     daemon.start()
     try:
@@ -70,19 +71,25 @@ def cpu_per_call(root: Path, config_yaml: str, user: str, calls: int, warmup: in
             sequential_calls(conn, template, warmup)
             daemon.settle()
             chunk = max(1, calls // CPU_ROUNDS)
-            daemon_s, floor_s, floor_calls, next_id = 0.0, 0.0, 0, warmup + 1
+            daemon_user = daemon_system = floor_user = floor_system = 0.0
+            floor_calls, next_id = 0, warmup + 1
             for _ in range(CPU_ROUNDS):
                 if floor is not None:
                     requests = max(chunk, cpu_floor.MIN_CPU_REQUESTS // CPU_ROUNDS)
-                    floor_s += floor.cpu_seconds(requests)
+                    spent_user, spent_system = floor.cpu_seconds(requests)
+                    floor_user, floor_system = floor_user + spent_user, floor_system + spent_system
                     floor_calls += requests
-                cpu0 = process_cpu(daemon.pid)
+                user0, system0 = process_cpu_split(daemon.pid)
                 sequential_calls(conn, template, chunk, first_id=next_id)
-                daemon_s += process_cpu(daemon.pid) - cpu0
+                user1, system1 = process_cpu_split(daemon.pid)
+                daemon_user, daemon_system = daemon_user + user1 - user0, daemon_system + system1 - system0
                 next_id += chunk
-            out = {"daemon_cpu_us_per_call": 1e6 * daemon_s / (chunk * CPU_ROUNDS)}
+            calls_made = chunk * CPU_ROUNDS
+            out = {"daemon_cpu_us_per_call": 1e6 * (daemon_user + daemon_system) / calls_made,
+                   "daemon_system_us_per_call": 1e6 * daemon_system / calls_made}
             if floor is not None:
-                out["floor_cpu_us_per_call"] = 1e6 * floor_s / floor_calls
+                out["floor_cpu_us_per_call"] = 1e6 * (floor_user + floor_system) / floor_calls
+                out["floor_system_us_per_call"] = 1e6 * floor_system / floor_calls
             return out
         finally:
             conn.close()

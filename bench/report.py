@@ -248,10 +248,16 @@ def _instruction_rows(r: dict[str, Any], cpu_model: str) -> list[tuple[str, str,
                     _x(ratio(instr, floor_instr)), "", "—"))
         target = _CPU_TARGET_US[path]
         # The floor's CPU was sampled in rounds between these calls': the same machine state, the same CPU.
-        out.append(("… its daemon CPU per warm call", f"{cpu:.0f} µs",
-                    f"{server} {floor_cpu:.0f} µs ({cpu_model})" if floor_cpu is not None else cpu_model,
+        out.append(("… its daemon CPU per warm call", f"{cpu:.0f} µs{_in_kernel(row.get('daemon_system_us_per_call'))}",
+                    f"{server} {floor_cpu:.0f} µs{_in_kernel(row.get('floor_system_us_per_call'))} ({cpu_model})"
+                    if floor_cpu is not None else cpu_model,
                     _x(ratio(cpu, floor_cpu)), f"≤ {target} µs", _check(cpu <= target)))
     return out
+
+
+def _in_kernel(system_us: float | None) -> str:
+    """The system part of a CPU figure, as the report shows it (runs before it was recorded have none)."""
+    return "" if system_us is None else f" ({system_us:.0f} in the kernel)"
 
 
 def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
