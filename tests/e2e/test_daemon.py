@@ -550,7 +550,14 @@ def test_cli_ctrl_c_cancels_the_call(daemon: Daemon) -> None:
     assert proc.stderr is not None
     assert proc.stderr.readline() == "… running\n"  # the CLI printed the tool's first progress: it runs
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        # Seen once under gVisor in a full run, never alone: what each side did is the only lead.
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"no answer within 30 s of Ctrl-C\nCLI stdout: {out}\nCLI stderr: {err}\n"
+                             f"daemon log:\n{daemon.log()}") from None
     assert proc.returncode == 1, err
     assert "aborted: " in out and "cancelled with Ctrl-C" in out
     assert "status cancelled" in err
