@@ -39,6 +39,7 @@ import ipaddress
 import socket
 import ssl
 import time
+import weakref
 from typing import Awaitable, Callable
 
 from sandboxd.config import EgressConfig
@@ -58,9 +59,10 @@ HOST_ADDRESSES_TTL_S = 60.0
 # which are worked out again at most this often.
 MOVING_S = 1.0
 SHARE_REFRESH_S = 0.25
-# Lookups can block for the resolver's whole timeout: a pool of their own, and at most
-# LOOKUPS_PER_SANDBOX of them per sandbox (egress/session.py), so one sandbox's slow names cannot hold them all.
+# Lookups can block for the resolver's whole timeout: a pool of their own, and at most LOOKUPS_PER_USER
+# of them per user, all their sandboxes together, so one user's slow names leave the other six to everyone else.
 DNS_THREADS = 8
+LOOKUPS_PER_USER = 2
 
 Resolve = Callable[[str, int], Awaitable[list[IPAddress]]]  # name, port → addresses; OSError if none
 
@@ -72,6 +74,9 @@ class EgressProxy:
                  resolve: Resolve | None = None) -> None:
         # Not the default executor: a tool asking for slow names must not hold the threads other work runs on.
         self._dns = concurrent.futures.ThreadPoolExecutor(max_workers=DNS_THREADS, thread_name_prefix="sandboxd-dns")
+        # Taken before a lookup starts, so none queues in the executor past its request's deadline.
+        self._dns_threads = asyncio.Semaphore(DNS_THREADS)
+        self._user_lookups: weakref.WeakValueDictionary[str, asyncio.Semaphore] = weakref.WeakValueDictionary()
         self._resolve = resolve or self._getaddrinfo
         self._host_addresses: frozenset[IPAddress] = frozenset()
         self._host_addresses_at = float("-inf")
@@ -109,6 +114,13 @@ class EgressProxy:
                 self._tls.load_default_certs()
             self._tls.set_alpn_protocols(["http/1.1"])
         return self._tls
+
+    def lookups_of(self, user: str) -> asyncio.Semaphore:
+        """The bound on ``user``'s lookups in flight, one for all their sandboxes (kept while any holds it)."""
+        lookups = self._user_lookups.get(user)
+        if lookups is None:
+            lookups = self._user_lookups[user] = asyncio.Semaphore(LOOKUPS_PER_USER)
+        return lookups
 
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession:
         return EgressSession(self, user, sandbox_id, context)
@@ -150,8 +162,8 @@ class EgressProxy:
     async def decide(self, host: str, port: int, lookups: asyncio.Semaphore) -> tuple[list[IPAddress], Verdict]:
         """The addresses a connection may go to (in order), and the verdict; ``[]`` when refused.
 
-        ``lookups`` bounds the sandbox's lookups in flight, counted until each one's thread is
-        done (a timed-out lookup still holds a thread). Raises Refused for a name that does
+        ``lookups`` bounds the user's lookups in flight (``lookups_of``), counted until each one's thread
+        is done (a timed-out lookup still holds a thread). Raises Refused for a name that does
         not resolve (in time)."""
         policy = self.policy
         if policy.host_addresses is not self._own_addresses():
@@ -168,13 +180,18 @@ class EgressProxy:
         return [], verdicts[0][1] if len(verdicts) == 1 else _first_refusal(verdicts)
 
     async def lookup(self, host: str, port: int, lookups: asyncio.Semaphore) -> list[IPAddress]:
-        """The addresses of the name ``host`` (``lookups`` bounds the sandbox's lookups in flight, see
+        """The addresses of the name ``host`` (``lookups`` bounds the user's lookups in flight, see
         ``decide``); raises Refused when it does not resolve (in time)."""
         try:
             async with asyncio.timeout(self.config.connect_timeout_ms / 1000):
-                await lookups.acquire()
+                await lookups.acquire()  # the user's own turn first: their queue never holds a thread
+                try:
+                    await self._dns_threads.acquire()
+                except BaseException:
+                    lookups.release()
+                    raise
                 lookup = asyncio.ensure_future(self._resolve(host, port))
-                lookup.add_done_callback(_release_after(lookups))
+                lookup.add_done_callback(_release_after(lookups, self._dns_threads))
                 addresses = await asyncio.shield(lookup)
         except TimeoutError:
             raise Refused(504, f"egress to {host}:{port} failed: resolving the name took longer than "
@@ -189,10 +206,11 @@ class EgressProxy:
         return addresses
 
 
-def _release_after(lookups: asyncio.Semaphore) -> Callable[[asyncio.Future[list[IPAddress]]], None]:
-    """The lookup's thread is done: its slot is free (and a failure it raised is retrieved, not warned about)."""
+def _release_after(lookups: asyncio.Semaphore, threads: asyncio.Semaphore) -> Callable[[asyncio.Future[list[IPAddress]]], None]:
+    """The lookup's thread is done: it and the user's slot are free (and a failure it raised is retrieved, not warned about)."""
 
     def done(lookup: asyncio.Future[list[IPAddress]]) -> None:
+        threads.release()
         lookups.release()
         if not lookup.cancelled():
             lookup.exception()

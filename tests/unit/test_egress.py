@@ -538,9 +538,14 @@ def test_a_call_cannot_set_the_sandbox_contract_or_the_proxy_variables(name: str
     assert _check_env({"PI_SEARXNG_URL": "http://127.0.0.1:8888"}, ["PI_SEARXNG_URL"])
 
 
-def test_one_sandbox_holds_at_most_two_lookups_even_after_they_time_out(no_connects: list[Any]) -> None:
-    """A slow name's lookup keeps its thread after the request gave up: it still counts, so one
-    sandbox's slow names cannot take every DNS thread from the others."""
+def _no_call() -> EgressCall:
+    return EgressCall(None, frozenset(), StandIns())
+
+
+def test_one_users_sandboxes_hold_at_most_two_lookups_even_after_they_time_out(no_connects: list[Any]) -> None:
+    """A slow name's lookup keeps its thread after the request gave up: it still counts, and the
+    bound is the user's, all their sandboxes together, so one user's slow names leave the other
+    DNS threads to everyone else."""
 
     async def scenario() -> None:
         release = asyncio.Event()
@@ -552,19 +557,48 @@ def test_one_sandbox_holds_at_most_two_lookups_even_after_they_time_out(no_conne
             return [ipaddress.ip_address("10.0.0.5")]  # refused by class: nothing is connected to
 
         proxy = EgressProxy(EgressConfig(connect_timeout_ms=200), resolve=slow)
-        hostile = proxy.session("a@b.c", "s1", lambda: EgressCall(None, frozenset(), StandIns()))
-        answers = await asyncio.gather(*(exchange(hostile, f"CONNECT slow{i}.test:443 HTTP/1.1\r\n\r\n".encode())
-                                         for i in range(3)))
+        hostile = [proxy.session("a@b.c", f"s{i}", _no_call) for i in range(4)]
+        answers = await asyncio.gather(*(exchange(hostile[i % 4], f"CONNECT slow{i}.test:443 HTTP/1.1\r\n\r\n".encode())
+                                         for i in range(6)))
         assert all(a.startswith(b"HTTP/1.1 504") for a in answers), answers  # all gave up after 200 ms
-        assert sorted(running) == ["slow0.test", "slow1.test"]  # the third never got a lookup
-        late = await exchange(hostile, b"CONNECT slow3.test:443 HTTP/1.1\r\n\r\n")
+        assert len(running) == 2, running  # four sandboxes, one user: two lookups, the rest never got one
+        late = await exchange(proxy.session("a@b.c", "s5", _no_call), b"CONNECT slow9.test:443 HTTP/1.1\r\n\r\n")
         assert late.startswith(b"HTTP/1.1 504") and len(running) == 2  # still held: their threads run on
-        other = asyncio.ensure_future(exchange(proxy.session("b@b.c", "s2", lambda: EgressCall(None, frozenset(), StandIns())),
+        other = asyncio.ensure_future(exchange(proxy.session("b@b.c", "s9", _no_call),
                                                b"CONNECT other.test:443 HTTP/1.1\r\n\r\n"))
         await asyncio.sleep(0.05)
-        assert "other.test" in running  # another sandbox looks up at once
+        assert "other.test" in running  # another user looks up at once
         release.set()
         assert b"private address" in await other
+
+    asyncio.run(scenario())
+    assert no_connects == []
+
+
+def test_a_lookup_waits_for_a_thread_within_its_deadline_and_never_runs_after_it(no_connects: list[Any]) -> None:
+    """Four users holding every thread: a fifth user's lookup waits in the loop, not in the executor's
+    queue, so at its deadline it is gone (504) instead of taking a thread later for nobody."""
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+        running: list[str] = []
+
+        async def slow(host: str, port: int) -> list[Any]:
+            running.append(host)
+            await release.wait()
+            return [ipaddress.ip_address("10.0.0.5")]
+
+        proxy = EgressProxy(EgressConfig(connect_timeout_ms=200), resolve=slow)
+        holders = [exchange(proxy.session(f"u{i}@b.c", "s", _no_call), f"CONNECT u{i}-{j}.test:443 HTTP/1.1\r\n\r\n".encode())
+                   for i in range(4) for j in range(2)]
+        fifth = exchange(proxy.session("e@b.c", "s", _no_call), b"CONNECT late.test:443 HTTP/1.1\r\n\r\n")
+        answers = await asyncio.gather(*holders, fifth)
+        assert all(a.startswith(b"HTTP/1.1 504") for a in answers), answers
+        assert len(running) == 8 and "late.test" not in running, running
+        release.set()
+        await asyncio.sleep(0.05)
+        again = await exchange(proxy.session("e@b.c", "s", _no_call), b"CONNECT again.test:443 HTTP/1.1\r\n\r\n")
+        assert b"private address" in again and "late.test" not in running, (again, running)
 
     asyncio.run(scenario())
     assert no_connects == []
