@@ -26,12 +26,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from sandboxd.config import Config, email_db_path
 from sandboxd.errors import ConfigError, InvalidParams, QuotaExceeded
 from sandboxd.logging import get_logger
-from sandboxd.storage import btrfs
+from sandboxd.storage import btrfs, convert
 from sandboxd.storage.usage import Usage, measure
 from sandboxd.users import check_user
 
@@ -103,7 +103,8 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
 
     Runs as root (in the daemon, or in the helper for ``owner``, the daemon's uid and gid,
     which then owns the folders it made). Each place that is not btrfs with quota is left
-    alone ("soft"); a folder made before the quota, a plain folder, is "plain" (measured).
+    alone ("soft"). A plain folder, made before the quota (an operator's ``mkdir`` or ``cp -r``),
+    is converted into a subvolume under the limit (convert.py), or ConversionFailed names the fix.
     """
     user = check_user(user)
     limit_bytes, _ = config.storage.limits(user)
@@ -114,31 +115,41 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
         if problem is not None or fs_id is None:
             done[area.name] = "soft"
             continue
-        folder = area.folder(config, user)
         root_fd = os.open(area.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            try:
-                fd, created = btrfs.open_subvolume(root_fd, folder.name, create=True)
-            except btrfs.NotASubvolume:
-                done[area.name] = "plain"
-                continue
-            try:
-                if created:  # the daemon owns what it mounts, and sets its ACLs (mounts.py)
-                    os.fchmod(fd, 0o700)  # first: once chowned, the helper would need CAP_FOWNER for it
-                    os.fchown(fd, *owner)
-                subvolume = btrfs.subvolume_id(fd)
-            finally:
-                os.close(fd)
-            group = groups.get(fs_id)
-            if group is None:
-                group = groups[fs_id] = btrfs.qgroup_id(1, subvolume)
-                btrfs.create_qgroup(root_fd, group)
-                btrfs.limit_qgroup(root_fd, group, limit_bytes)
-            btrfs.assign_qgroup(root_fd, btrfs.qgroup_id(0, subvolume), group)
-            done[area.name] = f"hard:{fs_id}:{group}"
+            group = _provision_folder(root_fd, area.folder(config, user).name, owner,
+                                      lambda fd: _join_group(root_fd, fd, fs_id, groups, limit_bytes))
         finally:
             os.close(root_fd)
+        done[area.name] = f"hard:{fs_id}:{group}"
     return done
+
+
+def _provision_folder(root_fd: int, name: str, owner: tuple[int, int], join: Callable[[int], int]) -> int:
+    """The subvolume ``name`` in ``root_fd`` made (or a plain folder converted) and joined to its qgroup; the qgroup."""
+    try:
+        fd, created = btrfs.open_subvolume(root_fd, name, create=True)
+    except btrfs.NotASubvolume:
+        fd, created = convert.to_subvolume(root_fd, name, join), False
+    try:
+        if created:  # the daemon owns what it mounts, and sets its ACLs (mounts.py)
+            os.fchmod(fd, 0o700)  # first: once chowned, the helper would need CAP_FOWNER for it
+            os.fchown(fd, *owner)
+        return join(fd)
+    finally:
+        os.close(fd)
+
+
+def _join_group(root_fd: int, fd: int, fs_id: str, groups: dict[str, int], limit_bytes: int) -> int:
+    """Put the subvolume ``fd`` in the user's limited qgroup on ``fs_id`` (made with the first); the qgroup."""
+    subvolume = btrfs.subvolume_id(fd)
+    group = groups.get(fs_id)
+    if group is None:
+        group = groups[fs_id] = btrfs.qgroup_id(1, subvolume)
+        btrfs.create_qgroup(root_fd, group)
+        btrfs.limit_qgroup(root_fd, group, limit_bytes)
+    btrfs.assign_qgroup(root_fd, btrfs.qgroup_id(0, subvolume), group)
+    return group
 
 
 def ask_helper(path: Path, request: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +210,6 @@ class Storage:
         self.refusals = 0
         self._usage: dict[str, UserUsage] = {}
         self._provisioned: dict[str, dict[str, str]] = {}
-        self._plain_warned: set[str] = set()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._via_helper = False
@@ -281,36 +291,38 @@ class Storage:
     # -- folders (called in the backend's worker thread, before a sandbox mounts them) --
 
     def provision(self, user: str) -> None:
-        """Make ``user``'s folders under their quota, once per daemon run; BackendUnavailable-worthy OSError on failure."""
-        if not self.hard or (user in self._provisioned and self._still_there(user)):
+        """Make ``user``'s folders under their quota (a plain one converted); BackendUnavailable-worthy OSError
+        on failure. Once per daemon run, again if a folder was replaced meanwhile."""
+        if not self.hard or (user in self._provisioned and self._still_limited(user)):
             return
         with self._lock:
-            if user in self._provisioned and self._still_there(user):
+            if user in self._provisioned and self._still_limited(user):
                 return
             if self._via_helper:
                 try:
                     done = ask_helper(self.config.storage.helper_socket, {"op": "provision", "user": user})["areas"]
-                except (OSError, ValueError, KeyError) as exc:
+                except ValueError as exc:  # the helper's own answer: what went wrong, and its fix
+                    raise OSError(f"the quota helper could not prepare {user}'s folders: {exc}") from None
+                except (OSError, KeyError) as exc:
                     raise OSError(f"the quota helper could not prepare {user}'s folders ({exc}); "
                                   "check `systemctl status sandboxd-quota.socket`") from None
             else:
                 done = provision_user(self.config, user, (os.getuid(), os.getgid()))
             self._provisioned[user] = done
-        plain = [name for name, state in done.items() if state == "plain"]
-        if plain and user not in self._plain_warned:
-            self._plain_warned.add(user)
-            log.warning("storage_folder_not_limited", user=user, areas=plain,
-                        detail="the folder was made before the quota, as a plain folder: its usage is measured, "
-                               "not enforced; to enforce it, stop sandboxd and recreate it as a subvolume "
-                               "(docs/install.md, 'Disk quotas')")
 
-    def _still_there(self, user: str) -> bool:
-        """False when the user's data folder is gone (an operator removed it): it is made again, under the quota."""
-        try:
-            os.lstat(self.config.data_path / user)
-        except FileNotFoundError:
-            self._provisioned.pop(user, None)
-            return False
+    def _still_limited(self, user: str) -> bool:
+        """False when a folder under the quota is gone or is no longer a subvolume (an operator removed or
+        replaced it, by ``mkdir`` say): it is made again, or converted, under the quota."""
+        done = self._provisioned.get(user, {})
+        for area in areas(self.config):
+            if not done.get(area.name, "").startswith("hard:"):
+                continue
+            try:
+                if os.lstat(area.folder(self.config, user)).st_ino != btrfs.SUBVOLUME_ROOT_INO:
+                    raise FileNotFoundError
+            except FileNotFoundError:
+                self._provisioned.pop(user, None)
+                return False
         return True
 
     # -- usage -------------------------------------------------------------------

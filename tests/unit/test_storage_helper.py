@@ -94,7 +94,8 @@ def test_provisioning_makes_subvolumes_under_one_limited_qgroup_per_user(tmp_pat
         assert provision_user(config, "a@x.io", (1234, 5678)) == done  # again: nothing new
         big = provision_user(config, "big@x.io", (0, 0))["data"].split(":")[2]
         assert btrfs.qgroup_usage(fs_id, int(big))[1] == 40 * MIB  # type: ignore[index]
-        assert provision_user(config, "old@x.io", (0, 0))["data"] == "plain"
+        assert provision_user(config, "old@x.io", (0, 0))["data"].startswith("hard:")  # converted (convert.py)
+        assert os.stat(data / "old@x.io").st_ino == btrfs.SUBVOLUME_ROOT_INO
         # The kernel holds the limit for data and mail together.
         with open(user / "f", "wb") as first:
             first.write(b"x" * 12 * MIB)
@@ -165,3 +166,57 @@ def test_a_daemon_that_is_not_root_sets_quotas_through_the_helper(tmp_path: Path
         assert gone.places[0].mode == "soft" and "did not answer" in gone.places[0].how
         store.close()
         gone.close()
+
+
+@pytest.mark.skipif(bool(BTRFS_PROBLEM), reason=str(BTRFS_PROBLEM))
+def test_a_plain_folder_is_converted_with_what_it_holds_and_no_link_followed(tmp_path: Path) -> None:
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data:
+        config = _config(data, quota_bytes="20m", enforcement="hard")
+        plain = data / "p@x.io"
+        (plain / "tools" / "t" / "deep").mkdir(parents=True)  # an operator's mkdir -p and cp -r
+        (plain / "tools" / "t" / "TOOL.md").write_text("tool")
+        os.chown(plain / "tools" / "t" / "TOOL.md", 2000, 3000)
+        os.chmod(plain / "tools" / "t" / "TOOL.md", 0o640)
+        os.utime(plain / "tools" / "t" / "TOOL.md", (1_000_000, 1_000_000))
+        (plain / "sparse").write_bytes(b"")
+        os.truncate(plain / "sparse", 1 << 40)  # a TiB that holds nothing: not copied as zeros
+        (plain / "a").write_bytes(b"x" * 100_000)
+        os.link(plain / "a", plain / "tools" / "a-again")
+        os.symlink("/etc/shadow", plain / "shadow")  # planted: copied as a link, never read through
+        os.symlink("/etc", plain / "etc")
+        os.mkfifo(plain / "fifo")
+        os.setxattr(plain / "a", "user.note", b"kept")
+        os.chmod(plain, 0o700)
+        done = provision_user(config, "p@x.io", (1234, 5678))
+        assert done["data"].startswith("hard:")
+        assert os.stat(plain).st_ino == btrfs.SUBVOLUME_ROOT_INO and os.stat(plain).st_mode & 0o777 == 0o700
+        tool = os.stat(plain / "tools" / "t" / "TOOL.md")
+        assert (tool.st_uid, tool.st_gid, tool.st_mode & 0o777, tool.st_mtime) == (2000, 3000, 0o640, 1_000_000)
+        assert (plain / "tools" / "t" / "TOOL.md").read_text() == "tool" and (plain / "tools" / "t" / "deep").is_dir()
+        assert os.stat(plain / "sparse").st_size == 1 << 40 and os.stat(plain / "sparse").st_blocks == 0
+        assert os.stat(plain / "a").st_ino == os.stat(plain / "tools" / "a-again").st_ino  # still one file
+        assert os.getxattr(plain / "a", "user.note") == b"kept"
+        assert os.readlink(plain / "shadow") == "/etc/shadow" and os.readlink(plain / "etc") == "/etc"
+        assert (plain / "fifo").is_fifo()
+        assert os.listdir(data) == ["p@x.io"]  # the old tree is gone, no leftover
+        fs_id, group = done["data"].split(":")[1:]
+        os.sync()
+        assert 100_000 <= btrfs.qgroup_usage(fs_id, int(group))[0] < 2 * MIB  # type: ignore[index]
+
+
+@pytest.mark.skipif(bool(BTRFS_PROBLEM), reason=str(BTRFS_PROBLEM))
+def test_a_plain_folder_over_the_quota_is_left_as_it_was_and_the_error_names_the_fix(tmp_path: Path) -> None:
+    from sandboxd.storage.convert import ConversionFailed
+
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data:
+        config = _config(data, quota_bytes="8m", enforcement="hard")
+        plain = data / "q@x.io"
+        plain.mkdir()
+        (plain / "big").write_bytes(b"z" * 12 * MIB)
+        with pytest.raises(ConversionFailed) as failed:
+            provision_user(config, "q@x.io", (0, 0))
+        assert "holds more than the user's quota" in str(failed.value) and "Delete files" in str(failed.value)
+        assert os.stat(plain).st_ino != btrfs.SUBVOLUME_ROOT_INO and os.path.getsize(plain / "big") == 12 * MIB
+        assert os.listdir(data) == ["q@x.io"]  # the partial copy removed
+        (plain / "big").unlink()
+        assert provision_user(config, "q@x.io", (0, 0))["data"].startswith("hard:")
