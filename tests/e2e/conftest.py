@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from bench.dead_resolver import loopback_only_prefix
 from sandboxd.client import Client
 from sandboxd.config import RUNNER_IMAGE
 
@@ -107,10 +108,13 @@ class Daemon:
     namespace touches."""
 
     def __init__(self, tmp: Path, *, config: str = "", env: dict[str, str] | None = None,
-                 loopback_only: bool = False, nofile: tuple[int, int] | None = None) -> None:
+                 loopback_only: bool = False, nofile: tuple[int, int] | None = None,
+                 binds: dict[str, Path] | None = None) -> None:
         if loopback_only:
             _loopback_only_tools()
+        assert loopback_only or not binds, "binds (over /etc/resolv.conf, say) need loopback_only=True"
         self.loopback_only = loopback_only
+        self.binds = binds  # a system file → the file the daemon sees there, in a mount namespace of its own
         self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE to start the daemon with, as systemd's LimitNOFILE= would
         self.tmp = tmp
         self.data = tmp / "data"
@@ -139,7 +143,7 @@ class Daemon:
                    "--data-path", str(self.data), "--socket", str(self.socket),
                    "--seed-tools", str(REPO / "seed" / "tools")]
         if self.loopback_only:  # exec: the daemon keeps unshare's pid, signals reach it directly
-            command = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+            command = [*loopback_only_prefix(self.binds), *command]
         nofile = self.nofile
         limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,

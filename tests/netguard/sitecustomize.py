@@ -11,6 +11,11 @@ fails here as not found instead.
 Names ending in SLOW_SUFFIX take NETGUARD_SLOW_LOOKUP_S seconds and are then not found: a
 hostile tool asks for them to hold the proxy's lookups. The most of them in flight at once
 is written to NETGUARD_LOOKUP_LOG.
+
+Names ending in DEAD_SUFFIX go to the machine's real resolver, but only from a network namespace
+with nothing but loopback (make_daemon(loopback_only=True)): there a test points the daemon's
+/etc/resolv.conf at a nameserver of its own that never answers (bench/dead_resolver.py), and no
+query can leave the namespace.
 """
 
 import ipaddress
@@ -78,6 +83,7 @@ _guard_uvloop()
 
 
 SLOW_SUFFIX = ".slow.test"
+DEAD_SUFFIX = ".dead.test"
 _getaddrinfo = socket.getaddrinfo
 _lock = threading.Lock()
 _in_flight = _most_in_flight = 0
@@ -96,6 +102,16 @@ def _hosts() -> set[str]:
             names.add("localhost")
         _hosts_names = names
     return _hosts_names
+
+
+def _only_loopback() -> bool:
+    """This process's network namespace has no device but lo: no packet can leave it."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            devices = {line.split(":")[0].strip() for line in f.read().splitlines()[2:]}
+    except OSError:
+        return False
+    return devices == {"lo"}
 
 
 def _slow_lookup(name: str) -> None:
@@ -123,6 +139,8 @@ def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
         except ValueError:
             if name.lower().endswith(SLOW_SUFFIX):
                 _slow_lookup(name)
+            if name.lower().endswith(DEAD_SUFFIX) and _only_loopback():
+                return _getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
             if name.lower().rstrip(".") not in _hosts():
                 raise socket.gaierror(socket.EAI_NONAME, f"the test harness resolves no names but /etc/hosts' ({name})")
     return _getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
