@@ -204,7 +204,7 @@ def test_a_tool_holding_egress_connections_gets_503_past_the_cap(make_daemon: An
 
 def test_a_tool_asking_for_many_slow_names_holds_two_lookups_at_most(make_daemon: Any, tmp_path: Any) -> None:
     """Six CONNECTs at once to names whose lookup takes a second (the netguard's slow test names,
-    never a DNS query): the proxy resolves two of them at a time for one sandbox (LOOKUPS_PER_SANDBOX),
+    never a DNS query): the proxy resolves two of them at a time for one user (LOOKUPS_PER_USER),
     so its resolver threads stay free for the others; each is answered, as not resolving."""
     log = tmp_path / "lookups"
     daemon = make_daemon(env={"NETGUARD_LOOKUP_LOG": str(log), "NETGUARD_SLOW_LOOKUP_S": "1"})
