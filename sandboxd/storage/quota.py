@@ -26,20 +26,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.config import Config, email_db_path
-from sandboxd.errors import ConfigError, InvalidParams, QuotaExceeded
+from sandboxd.errors import ConfigError, QuotaExceeded
 from sandboxd.logging import get_logger
 from sandboxd.storage import btrfs, convert
 from sandboxd.storage.usage import Usage, measure
+from sandboxd.storage.walks import MIN_SPACING_S, Walks, users_on_disk
 from sandboxd.users import check_user
 
 log = get_logger("sandboxd.storage")
 
 Mode = Literal["hard", "soft", "off"]
 OVER_RECHECK_S = 5.0  # how soon a user refused for their usage is let in again after cleaning up
-MIN_SPACING_S = 1.0  # between two walks of one user's folders
 HELPER_TIMEOUT_S = 10.0
 _PROBE = "probe@example.invalid"
 
@@ -182,7 +182,8 @@ class UserUsage:
 
     @property
     def over_bytes(self) -> bool:
-        return not self.bytes_hard and self.usage.bytes > self.limit_bytes
+        # What the walk could not read is of unknown size: over, never nothing.
+        return not self.bytes_hard and (self.usage.bytes > self.limit_bytes or self.usage.unreadable is not None)
 
     @property
     def over_inodes(self) -> bool:
@@ -210,11 +211,16 @@ class Storage:
         self.refusals = 0
         self._usage: dict[str, UserUsage] = {}
         self._provisioned: dict[str, dict[str, str]] = {}
-        self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._via_helper = False
         # One thread: measuring never takes more than one core's share, and never the event loop.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sandboxd-quota")
+        self._walks: Walks[UserUsage] = Walks(self._executor, self.measure_now, self._walked)
+        self._unreadable_logged: dict[str, str] = {}
+        # Set by the server: a user measured over quota (soft) has every sandbox that ran a tool destroyed,
+        # and users with sandboxes are measured every second, so a writer left behind is seen.
+        self.on_over: Callable[[str], None] | None = None
+        self.live_users: Callable[[], Iterable[str]] = tuple
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -330,83 +336,94 @@ class Storage:
     def _limits(self, user: str) -> tuple[int, int]:
         return self.config.storage.limits(user)
 
+    def _kernel_group(self, user: str) -> tuple[bool, tuple[str, int] | None]:
+        """(whether the kernel holds ``user``'s bytes, and the (fs id, qgroup) that counts them if one does)."""
+        done = self._provisioned.get(user)
+        if done is None:  # no sandbox yet: its folders are made under the quota when the first one starts
+            return all(place.mode == "hard" for place in self.places), None
+        hard = [state for state in done.values() if state.startswith("hard:")]
+        if len(hard) != len(done):
+            return False, None
+        if len(set(hard)) != 1:
+            return True, None
+        _, fs_id, group = hard[0].split(":")
+        return True, (fs_id, int(group))
+
     def measure_now(self, user: str) -> UserUsage:
         """Measure ``user``'s folders (blocking: a worker thread) and keep the figures."""
         limit_bytes, limit_inodes = self._limits(user)
         folders = [area.folder(self.config, user) for area in areas(self.config)]
         usage = measure(folders, limit_inodes)
-        done = self._provisioned.get(user)
-        if done is None:  # no sandbox yet: its folders are made under the quota when the first one starts
-            bytes_hard = all(place.mode == "hard" for place in self.places)
-            hard = []
-        else:
-            hard = [state for state in done.values() if state.startswith("hard:")]
-            bytes_hard = len(hard) == len(done)
-        if bytes_hard and len(set(hard)) == 1:
-            _, fs_id, group = hard[0].split(":")
-            kernel = btrfs.qgroup_usage(fs_id, int(group))
-            if kernel is not None:  # what the kernel holds against the limit
-                usage = Usage(kernel[0], usage.inodes, usage.complete)
+        bytes_hard, group = self._kernel_group(user)
+        kernel = btrfs.qgroup_usage(*group) if group is not None else None
+        if kernel is not None:  # what the kernel holds against the limit
+            usage = Usage(kernel[0], usage.inodes, usage.complete, usage.unreadable)
         record = UserUsage(usage, limit_bytes, limit_inodes, bytes_hard, time.monotonic())
         self._usage[user] = record
         return record
 
-    def after_call(self, user: str) -> None:
-        """A call of ``user`` ended: measure them again, soon, off the loop (coalesced).
+    def _kernel_record(self, user: str) -> UserUsage | None:
+        """Hard mode: ``user``'s bytes as the qgroup counts them (no walk; files as last measured). None if soft."""
+        _, group = self._kernel_group(user)
+        kernel = btrfs.qgroup_usage(*group) if group is not None else None
+        if kernel is None:
+            return None
+        limit_bytes, limit_inodes = self._limits(user)
+        last = self._usage.get(user)
+        inodes = last.usage.inodes if last is not None else 0
+        return UserUsage(Usage(kernel[0], inodes, last is not None), limit_bytes, limit_inodes, True, time.monotonic())
 
-        At most one walk per user every MIN_SPACING_S: a user calling in a tight loop gets one
-        measurement of where they stand, not a walk per call.
-        """
+    def after_call(self, user: str) -> None:
+        """A call of ``user`` ended: measure them again, soon. Hard mode: no walk (the kernel holds the bytes)."""
+        if not self._kernel_group(user)[0]:
+            self.measure_soon(user)
+
+    def measure_soon(self, user: str) -> None:
+        """Walk ``user``'s folders soon, off the loop (walks.py: at most one walk a second per user, shared)."""
         if not self.enabled:
             return
-        with self._lock:
-            if user in self._pending:
-                return
-            self._pending.add(user)
-        record = self._usage.get(user)
-        wait = MIN_SPACING_S - (time.monotonic() - record.measured_at) if record is not None else 0.0
-        if wait > 0 and self._loop is not None:
-            self._loop.call_later(wait, self._executor.submit, self._measure_pending, user)
-        else:
-            self._executor.submit(self._measure_pending, user)
-
-    def _measure_pending(self, user: str) -> None:
-        with self._lock:
-            self._pending.discard(user)
         try:
-            self.measure_now(user)
-        except Exception:
-            log.exception("storage_measure_failed", user=user)
+            self._walks.next(user)
+        except RuntimeError:  # no running loop (a test): measured now, in the thread
+            self._executor.submit(self.measure_now, user)
+
+    def _walked(self, user: str, walked: asyncio.Future[UserUsage]) -> None:
+        """After each walk, on the loop: a user over quota (measured) keeps no writer; what could not be read is logged."""
+        if walked.cancelled():
+            return
+        if walked.exception() is not None:
+            log.error("storage_measure_failed", user=user, error=repr(walked.exception()))
+            return
+        record = walked.result()
+        unreadable = record.usage.unreadable
+        if unreadable is not None and self._unreadable_logged.get(user) != unreadable:
+            self._unreadable_logged[user] = unreadable
+            log.warning("storage_unreadable", user=user, path=unreadable,
+                        detail="sandboxd cannot read this, so its size is unknown and the user counts as over quota; "
+                               "make it readable to sandboxd's user, or delete it")
+        if (record.over_bytes or record.over_inodes) and self.on_over is not None:
+            self.on_over(user)
 
     async def _measure_periodically(self) -> None:
-        last_full = 0.0
+        last_full = last_over = 0.0
+        interval = self.config.storage.measure_interval_s
         while True:
-            if time.monotonic() - last_full >= self.config.storage.measure_interval_s:
-                last_full = time.monotonic()
-                for user in await asyncio.to_thread(self._users_on_disk):
+            now = time.monotonic()
+            if now - last_full >= interval:
+                last_full = now
+                for user in await asyncio.to_thread(users_on_disk, self.config.data_path):
                     record = self._usage.get(user)
                     # Measured since the last pass (after a call): their figures are current.
-                    if record is None or time.monotonic() - record.measured_at >= self.config.storage.measure_interval_s:
-                        self.after_call(user)
-            else:
+                    if record is None or time.monotonic() - record.measured_at >= interval:
+                        self.measure_soon(user)
+            elif now - last_over >= min(OVER_RECHECK_S, interval):
+                last_over = now
                 for user, record in list(self._usage.items()):
                     if record.over_bytes or record.over_inodes:
                         self.after_call(user)
-            await asyncio.sleep(min(OVER_RECHECK_S, self.config.storage.measure_interval_s))
-
-    def _users_on_disk(self) -> list[str]:
-        try:
-            names = os.listdir(self.config.data_path)
-        except OSError:
-            return []
-        users = []
-        for name in names:
-            try:
-                if check_user(name) == name:
-                    users.append(name)
-            except InvalidParams:
-                continue
-        return users
+            for user in self.live_users():  # a writer left running in a sandbox is seen within a second or two
+                self.after_call(user)
+            await asyncio.sleep(MIN_SPACING_S)
 
     # -- calls -------------------------------------------------------------------
 
@@ -418,7 +435,10 @@ class Storage:
         self.refusals += 1
         self.after_call(user)  # measured again now: a user who cleaned up is let in at the next call
         usage = record.usage
-        if record.over_bytes:
+        if usage.unreadable is not None and record.over_bytes and usage.bytes <= record.limit_bytes:
+            what = (f"hold {usage.unreadable}, which sandboxd cannot read: their usage is unknown, so it counts as "
+                    "over quota until that is made readable to sandboxd's user or deleted")
+        elif record.over_bytes:
             what = (f"hold {size_text(usage.bytes)}, over their quota of {size_text(record.limit_bytes)} "
                     "(storage.quota_bytes)")
         else:
@@ -436,8 +456,12 @@ class Storage:
         """After a call that failed on a full disk: which quota it hit and how to free space; None if none is full."""
         if not self.enabled:
             return None
-        loop = asyncio.get_running_loop()
-        record = await loop.run_in_executor(self._executor, self.measure_now, user)
+        try:  # hard: the qgroup's figure; soft: the next walk, shared with every call that failed meanwhile
+            record = self._kernel_record(user)
+            if record is None:
+                record = await asyncio.shield(self._walks.next(user))
+        except Exception:  # the daemon is stopping, or the walk failed (logged)
+            return None
         usage = record.usage
         if record.at_bytes_limit():
             what = f"hold {size_text(usage.bytes)} of their {size_text(record.limit_bytes)} quota (storage.quota_bytes)"
@@ -457,6 +481,7 @@ class Storage:
             "enforcement": [{"area": p.area.name, "path": str(p.area.root), "mode": p.mode, "how": p.how}
                             for p in self.places],
             "refusals": self.refusals,
+            "walks": self._walks.count,  # of users' folders, each at most one a second (walks.py)
             "users": {user: {"bytes": r.usage.bytes, "limitBytes": r.limit_bytes, "inodes": r.usage.inodes,
                              "limitInodes": r.limit_inodes, "bytesEnforcedByKernel": r.bytes_hard,
                              "over": r.over_bytes or r.over_inodes, "measuredAgoS": round(now - r.measured_at, 1)}
