@@ -41,7 +41,7 @@ BRIDGE_NETWORK = "sandboxd"
 
 # Settings that weaken the sandbox start only when `allow_unsafe` names them (docs/config.md).
 UnsafeName = Literal["host_network", "shared_network", "direct_network", "cap_add", "writable_root", "host_uid",
-                     "unsandboxed", "mcp_http_remote"]
+                     "unsandboxed", "mcp_http_remote", "secrets_in_clear"]
 UNSAFE_NAMES: tuple[str, ...] = get_args(UnsafeName)
 
 

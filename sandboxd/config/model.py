@@ -15,6 +15,7 @@ from sandboxd.config.defaults import (BRIDGE_NETWORK, DEFAULT_EMAIL_DB, EMAIL_DB
 from sandboxd.config.sections import (CallsConfig, EgressConfig, IntegrationsConfig, MetricsConfig, PoolConfig,
                                       SandboxConfig, Section)
 from sandboxd.config.storage import StorageConfig
+from sandboxd.egress.secrets import CLEAR_SCHEME
 from sandboxd.errors import ConfigError
 
 
@@ -43,7 +44,7 @@ class Config(Section):
     allowed_uids: list[int] = Field(default_factory=list, description="Users (uid or name) whose connections are served, besides root and the daemon's own user; both lists empty = anyone who can open the socket.")
     allowed_gids: list[int] = Field(default_factory=list, description="Groups (gid or name) whose members' connections are served (primary or supplementary group).")
     backend: Literal["docker", "process", "fake"] = Field("docker", description="Sandbox backend; process runs tools UNSANDBOXED (serve needs allow_unsafe: [unsandboxed]).")
-    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed, mcp_http_remote.")
+    allow_unsafe: list[UnsafeName] = Field(default_factory=list, description="Dangerous settings accepted on purpose, by name: host_network, shared_network, direct_network, cap_add, writable_root, host_uid, unsandboxed, mcp_http_remote, secrets_in_clear.")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="Longest accepted protocol line.")
     max_client_connections: int | None = Field(None, ge=1, description="Connections to the socket one client (one peer uid) may hold at once; past it a newcomer is refused (-32003). null = a quarter of what the file descriptor budget leaves for clients (docs/config.md, 'File descriptors').")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
@@ -198,6 +199,11 @@ def unsafe_settings(config: Config) -> list[tuple[str, str]]:
             if account is not None:
                 add("host_uid", f"sandbox.user {sandbox.user!r} runs tools as the host account {account!r}, "
                                 "whose files they could then change; use auto, an id with no host account")
+    clear = [entry for hosts in config.egress.secrets.values() for entry in hosts
+             if entry.strip().lower().startswith(CLEAR_SCHEME)]
+    if clear:
+        add("secrets_in_clear", f"egress.secrets entries {', '.join(clear)} let a secret's value cross the network "
+                                "in plain HTTP, readable on the way; name the host without http:// for TLS only")
     if config.backend == "process":
         add("unsandboxed", "backend 'process' runs tools as local node processes with this daemon's rights, "
                            "files and network: nothing isolates them (development only)")

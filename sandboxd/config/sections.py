@@ -163,7 +163,7 @@ class EgressConfig(Section):
     # A refusal is all cost (the daemon's answer is the only work done): a sandbox that is refused over
     # and over gets a fifth of the accepts of one whose connections go somewhere.
     refusal_cost: float = Field(5.0, ge=1, description="What an egress connection the proxy refuses (by the policy, as malformed, or over max_connections) spends of connect_rate, in connections: at 5, a sandbox refused every time opens 10 a second at the default rate, one whose connections pass 50.")
-    secrets: dict[str, list[str]] = Field(default_factory=dict, description="Call env names whose values sandboxes never hold: NAME → the hosts the value belongs to (entries as egress.allow writes them). The sandbox gets a stand-in; the egress proxy puts the real value in the headers and query of requests to those hosts only.")
+    secrets: dict[str, list[str]] = Field(default_factory=dict, description="Call env names whose values sandboxes never hold: NAME → the hosts the value belongs to (entries as egress.allow writes them). The sandbox gets a stand-in; the egress proxy puts the real value in the headers and query of requests to those hosts only, over TLS only (an entry written http://host:port also in clear: allow_unsafe secrets_in_clear).")
     ca_file: Path | None = Field(None, description="A PEM file of CA certificates the egress proxy trusts besides the host's own, when it makes the TLS connection to a secret's host itself.")
 
     @field_validator("allow", mode="after")

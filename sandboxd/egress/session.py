@@ -11,6 +11,7 @@ import ssl
 from typing import Awaitable, Callable, Protocol
 
 from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
+from sandboxd.egress.echoes import AnswerScrubber
 from sandboxd.egress.grants import GRANT_ENDED
 from sandboxd.egress.http1 import Malformed, RequestReader
 from sandboxd.egress.pacing import Debt, Share, Shares
@@ -18,7 +19,7 @@ from sandboxd.egress.policy import AllowEntry, EgressPolicy, IPAddress, Verdict,
 from sandboxd.egress.relay import Relay
 from sandboxd.egress.request import (HEAD_TIMEOUT_S, NoRequest, Refused, parse_request, read_head, refusal_message,
                                      reply)
-from sandboxd.egress.secrets import Rewrite, names_host
+from sandboxd.egress.secrets import Rewrite, StandIns, names_host
 from sandboxd.logging import get_logger, masking, source
 from sandboxd.sandbox.backend import EgressContext
 from sandboxd.service.fds import EGRESS_REFUSING
@@ -26,6 +27,8 @@ from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 log = get_logger("sandboxd.egress")
 
+# A sandbox's lookups at once, of the proxy's DNS_THREADS (egress/proxy.py).
+LOOKUPS_PER_SANDBOX = 2
 TLS_READ_BYTES = 64 << 10  # read from an origin's TLS stream at once
 
 
@@ -40,8 +43,6 @@ class SharedEgress(Shares, Protocol):
 
     @property
     def tls(self) -> ssl.SSLContext: ...
-
-    def lookups_of(self, user: str) -> asyncio.Semaphore: ...
 
     async def decide(self, host: str, port: int, lookups: asyncio.Semaphore) -> tuple[list[IPAddress], Verdict]: ...
 
@@ -62,7 +63,7 @@ class EgressSession:
         self._connections: set[asyncio.Task[None]] = set()
         self.budget = Share(proxy)
         self._accepts = Debt()
-        self._lookups = proxy.lookups_of(user)  # one bound for all the user's sandboxes (egress/proxy.py)
+        self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
 
     def __repr__(self) -> str:
         return f"<EgressSession {self.user} {self.sandbox_id} connections={len(self._connections)}>"
@@ -142,6 +143,8 @@ class EgressSession:
             return
         reader, scheme, host, port, forward = request
         call = self._context()  # one look at the sandbox's call: what it was granted, and the grant that ends with it
+        if scheme == "http" and await self._held_back(conn, call.stand_ins, forward, host, port):
+            return
         relaying = host == RELAY_NAME
         if relaying and self._proxy.browser_relay is not None:
             host = self._proxy.browser_relay.host  # what is logged: where the tunnel goes
@@ -149,7 +152,8 @@ class EgressSession:
         if opened is None:
             return
         upstream, address, verdict = opened
-        rewrite = call.stand_ins.rewrite(forward, host, port, self._proxy.policy.ports) if forward else None
+        rewrite = (call.stand_ins.rewrite(forward, host, port, self._proxy.policy.ports, tls=scheme == "https")
+                   if forward else None)
         # Admitted by what only this call holds (the relay's port, a secret's value): it ends with the call.
         grant = call.grant if relaying or (rewrite is not None and rewrite.substituted) else None
         task = asyncio.current_task()
@@ -200,6 +204,20 @@ class EgressSession:
         await reply(conn, 400, "failed", message)
         return None
 
+    async def _held_back(self, conn: socket.socket, stand_ins: StandIns, head: bytes, host: str, port: int) -> bool:
+        """Refuse (403) a plain-HTTP request carrying a stand-in to its secret's host, which would get the
+        value in clear: True once answered, before any lookup or connect; False when it may go."""
+        names = stand_ins.held_back(head, host, port, self._proxy.policy.ports) if stand_ins else ()
+        if not names:
+            return False
+        self._record("refused", "secret in clear", host, port, None)
+        await reply(conn, 403, "refused", f"egress to http://{host}:{port} refused by sandboxd: the request carries "
+                                          f"the stand-in of {', '.join(names)} (egress.secrets), whose value goes "
+                                          "only over TLS; send it to an https:// URL, or the operator can name "
+                                          f"http://{host}:{port} in egress.secrets with allow_unsafe: "
+                                          "[secrets_in_clear]")
+        return True
+
     async def _open(self, conn: socket.socket, host: str, port: int, relay_port: int | None,
                     relaying: bool) -> tuple[socket.socket, IPAddress, Verdict] | None:
         """A connection to where the request may go, by the policy (or the call's relay grant); None once a
@@ -240,6 +258,10 @@ class EgressSession:
                 return
             async with asyncio.timeout(HEAD_TIMEOUT_S):
                 await loop.sock_sendall(upstream, rewrite.head)
+            if rewrite.own:  # a secret's host, in clear (allow_unsafe): its answer is read, not spliced
+                await _both(self._send_body(conn, reader, lambda data: loop.sock_sendall(upstream, data)),
+                            self._answer(conn, lambda: loop.sock_recv(upstream, TLS_READ_BYTES), rewrite))
+                return
             answer = Relay(conn, upstream, self.budget, config.idle_timeout_s, upload=False)
 
             async def send(data: bytes) -> None:
@@ -267,8 +289,6 @@ class EgressSession:
             await reply(conn, 502, "failed", f"egress to {host}:{port} failed: {why}")
             return
         self._record("allowed", verdict.reason, host, port, address, rewrite)
-        loop = asyncio.get_running_loop()
-        idle = config.idle_timeout_s
 
         async def send(data: bytes) -> None:
             tls_out.write(data)
@@ -279,23 +299,32 @@ class EgressSession:
             await send(rewrite.head)
             await self._send_body(conn, reader, send)
 
-        async def answer() -> None:
-            while True:
-                async with asyncio.timeout(idle):
-                    data = await tls_in.read(TLS_READ_BYTES)
-                if not data:
-                    break
-                await self._paced(len(data))
-                async with asyncio.timeout(idle):
-                    await loop.sock_sendall(conn, data)
-            conn.shutdown(socket.SHUT_WR)
-
         try:
-            await _both(request(), answer())
+            await _both(request(), self._answer(conn, lambda: tls_in.read(TLS_READ_BYTES), rewrite))
         except (TimeoutError, OSError, ssl.SSLError, Malformed):
             pass
         finally:
             tls_out.close()
+
+    async def _answer(self, conn: socket.socket, read: Callable[[], Awaitable[bytes]], rewrite: Rewrite) -> None:
+        """The origin's answer to the sandbox until it ends, within the sandbox's budget; from a host a value may
+        go to, with each value that comes back turned into its stand-in (egress/echoes.py)."""
+        loop = asyncio.get_running_loop()
+        idle = self._proxy.config.idle_timeout_s
+        scrubber = AnswerScrubber(rewrite.own) if rewrite.own else None
+        try:
+            while data := await asyncio.wait_for(read(), idle):
+                await self._paced(len(data))
+                async with asyncio.timeout(idle):
+                    await loop.sock_sendall(conn, scrubber.feed(data) if scrubber is not None else data)
+            if scrubber is not None:
+                async with asyncio.timeout(idle):
+                    await loop.sock_sendall(conn, scrubber.end())
+            conn.shutdown(socket.SHUT_WR)
+        finally:
+            if scrubber is not None and scrubber.found:  # the names only: the values never reach the log
+                log.warning("egress_secret_echoed", user=self.user, sandbox=self.sandbox_id,
+                            secrets=sorted(scrubber.found), budget=source("sandbox", self.sandbox_id))
 
     async def _send_body(self, conn: socket.socket, reader: RequestReader,
                          send: Callable[[bytes], Awaitable[None]]) -> None:
@@ -324,7 +353,7 @@ class EgressSession:
     async def _relay_addresses(self, host: str, port: int, call_port: int | None) -> tuple[list[IPAddress], Verdict]:
         """The browser relay's addresses, when the running call was granted ``port`` (its ``call_port``,
         browser_relay.py); ``[]`` when refused. The operator named the host: the egress policy does not
-        judge it, but a name still resolves within the user's lookups."""
+        judge it, but a name still resolves within the sandbox's lookups."""
         verdict = tunnel_verdict(self._proxy.browser_relay, port, call_port)
         if not verdict.allowed:
             return [], verdict

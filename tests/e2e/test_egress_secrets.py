@@ -1,6 +1,7 @@
 """egress.secrets end to end: a hostile tool holds only a stand-in, whatever it tries.
 
-A real daemon and sandbox; three servers on 127.0.0.1: the secret's own host (plain HTTP),
+A real daemon and sandbox; three servers on 127.0.0.1: the secret's own host (plain HTTP, named
+``http://`` so that the value may go there in clear: allow_unsafe: [secrets_in_clear]),
 another host the policy allows, and the secret's TLS host, whose certificate a CA made here
 signed (the daemon is given it as egress.ca_file). The tool (tests/e2e/tools/secret_thief)
 sends its OFFICER_APIFY_TOKEN every way it can: fetch and http/https, in headers, queries and
@@ -99,7 +100,8 @@ def test_a_hostile_tool_holds_a_stand_in_and_only_the_secrets_hosts_get_the_valu
     own_port, other_port, tls_port = (s.server_address[1] for s in (own, other, tls))
     daemon = make_daemon(env={
         "SANDBOXD_EGRESS_ALLOW": json.dumps([f"127.0.0.1:{p}" for p in (own_port, other_port, tls_port)]),
-        "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"127.0.0.1:{own_port}", f"127.0.0.1:{tls_port}"]}),
+        "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"http://127.0.0.1:{own_port}", f"127.0.0.1:{tls_port}"]}),
+        "SANDBOXD_ALLOW_UNSAFE": "secrets_in_clear",
         "SANDBOXD_EGRESS_CA_FILE": str(ca_file),
     })
     with daemon.client() as client:
@@ -198,7 +200,8 @@ def test_a_request_carrying_the_value_ends_when_its_call_is_answered(make_daemon
 
     threading.Thread(target=hold, daemon=True).start()
     daemon = make_daemon(env={"SANDBOXD_EGRESS_ALLOW": json.dumps([f"127.0.0.1:{port}"]),
-                              "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"127.0.0.1:{port}"]})}, start=False)
+                              "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"http://127.0.0.1:{port}"]}),
+                              "SANDBOXD_ALLOW_UNSAFE": "secrets_in_clear"}, start=False)
     write_tool(daemon.data / "tools", "leaver", LEAVER,
                inputs="  port:\n    type: number\n    description: The secret's host's port.\n")
     daemon.start()

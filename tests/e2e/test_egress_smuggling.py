@@ -262,8 +262,11 @@ class Upstream:
 def setup(make_daemon: Any, tmp_path: Path) -> Iterator[tuple[Daemon, dict[str, Upstream]]]:
     ca = make_ca(tmp_path / "ca")
     hosts = [f"127.0.0.1:{port}" for pair in SERVERS.values() for port in pair] + [f"localhost:{SERVERS['python'][0]}"]
-    daemon = make_daemon(env={"SANDBOXD_EGRESS_ALLOW": json.dumps(hosts),
-                              "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: hosts}),
+    plain = {f"127.0.0.1:{http}" for http, _ in SERVERS.values()} | {f"localhost:{SERVERS['python'][0]}"}
+    daemon = make_daemon(env={"SANDBOXD_EGRESS_ALLOW": json.dumps(hosts),  # the plain ports get the value in clear:
+                              "SANDBOXD_EGRESS_SECRETS": json.dumps({NAME: [f"http://{h}" if h in plain else h
+                                                                            for h in hosts]}),
+                              "SANDBOXD_ALLOW_UNSAFE": "secrets_in_clear",
                               "SANDBOXD_EGRESS_CA_FILE": str(ca.ca_file)},
                          loopback_only=True, start=False)
     write_tool(daemon.data / "tools", "smuggler", SMUGGLER,

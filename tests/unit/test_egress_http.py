@@ -183,7 +183,7 @@ def test_a_request_whose_call_was_answered_gets_no_value_and_reaches_nothing() -
 
         server = await asyncio.start_server(upstream, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        env, stand_ins = StandIns.for_call({"T": "real-value"}, {"T": [f"127.0.0.1:{port}"]})
+        env, stand_ins = StandIns.for_call({"T": "real-value"}, {"T": [f"http://127.0.0.1:{port}"]})
         grant = CallGrant()
         grant.end()
         proxy = EgressProxy(EgressConfig(allow=[f"127.0.0.1:{port}"]))
