@@ -8,7 +8,10 @@ the reserve is 4) and the egress proxy allowed to reach a local source (bench/so
   newcomers' first calls, timed;
 - egress: eight sandboxes downloading from the source as fast as the policy lets them;
 - flood: four sandboxes opening refused CONNECTs in 24 loops each (refused by the policy
-  before any connect: the destination is a private address).
+  before any connect: the destination is a private address);
+- dns: on a daemon of its own in a loopback-only namespace whose resolver never answers
+  (bench/dead_resolver.py), one user's four sandboxes asking for names in 4 loops each; the
+  bystander's lookups of a name in that namespace's /etc/hosts are timed besides.
 
 For each, the bystander (a user with a warm sandbox of their own) pings and calls one after
 another; the daemon's CPU and the log's growth are read over the same window. The same pings
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench import daemon as d
+from bench.dead_resolver import DeadResolver, loopback_only_prefix
 from bench.load import daemon_call_line, process_cpu
 from bench.source import Source
 from bench.stats import summarize
@@ -37,6 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "e2e" / "tools" / "egress_probe"  # its pump and flood modes
 PINGS, CALLS = 2000, 1000
 SCENARIO_S = 10.0
+HOSTS_NAME = "bystander.test"  # in the dns daemon's /etc/hosts only: a private address, refused once resolved
+LOOKUPS, LOOKUPS_S = 200, 30.0  # the bystander's timed lookups, and the most time they may take (each 504 is 10 s)
 
 
 def config(image: str, source_port: int) -> str:
@@ -170,6 +176,57 @@ def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str, yardstick:
         background.close()
 
 
+def _lookups(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
+    """The bystander's warm calls one after another, each one CONNECT to HOSTS_NAME: their times, and
+    how many were not the policy's refusal of the name's address (a lookup that timed out, say)."""
+    request = {"mode": "raw", "request": f"CONNECT {HOSTS_NAME}:443 HTTP/1.1\r\n\r\n"}
+    line, seconds, failed = daemon_call_line(user, "egress_probe", request), [], 0
+    conn, deadline = daemon.connect(), time.monotonic() + LOOKUPS_S
+    try:
+        for i in range(LOOKUPS):
+            if time.monotonic() > deadline:
+                break
+            started = time.perf_counter()
+            conn.send(line % i)
+            answer = conn.read_line()
+            seconds.append(time.perf_counter() - started)
+            failed += b"private address (RFC 1918)" not in answer
+    finally:
+        conn.close()
+    return {"lookup": summarize(seconds), "lookups_failed": failed}
+
+
+def dead_resolver(root: Path, run_id: str, image: str, yardstick: Yardstick) -> dict[str, Any]:
+    """One user's four sandboxes keep asking for names a resolver never answers; the bystander beside them."""
+    bystander, hostile = f"dns-bystander-{run_id}@bench.example", f"dead-names-{run_id}@bench.example"
+    resolver = DeadResolver(root / "resolver", {HOSTS_NAME: "10.0.0.5"})
+    # connect_rate: the bystander's requests are refusals (5 each of 50 a second), timed here for their lookups.
+    config_yaml = f"pool:\n  max_per_user: 4\n  max_total: 32\negress:\n  connect_rate: 10000\nsandbox:\n  image: {image}\n"
+    daemon = d.BenchDaemon(root, config_yaml, fresh_tools=0, command_prefix=loopback_only_prefix(resolver.binds))
+    shutil.copytree(PROBE, daemon.data / "tools" / PROBE.name)
+    daemon.start()
+    resolver.start(daemon.pid)
+    background, out = _Background(daemon), {}
+    try:
+        conn = daemon.connect()
+        d.sequential_calls(conn, daemon_call_line(bystander), 500)  # its sandbox warm, hello loaded
+        conn.close()
+        _lookups(daemon, bystander)  # egress_probe loaded
+        out["dns_quiet"] = _bystander(daemon, bystander, yardstick) | _lookups(daemon, bystander)
+        for i in range(4):
+            request = f"CONNECT x{i}.dead.test:443 HTTP/1.1\r\n\r\n"
+            background.call(hostile, "egress_probe", {"mode": "flood", "request": request, "port": 4, "seconds": 600}, 600_000)
+        _wait(daemon, lambda p: _held(p, [hostile]) == 4, 120, "four sandboxes of one user asking for dead names")
+        time.sleep(1)  # every loop's request sent and waiting
+        out["dns"] = _bystander(daemon, bystander, yardstick) | _lookups(daemon, bystander)
+        out["dns"]["resolver_lookups_at_once"] = resolver.most_in_flight()
+        return out
+    finally:
+        resolver.stop()  # its SERVFAILs end the lookups it held
+        background.close()
+        daemon.stop(timeout=120)
+
+
 def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
     bystander = f"bystander-{run_id}@bench.example"
     with Source() as source, Yardstick() as yardstick:
@@ -190,4 +247,5 @@ def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
                 out[name] = scenario()
         finally:
             daemon.stop(timeout=120)
+        out |= dead_resolver(root / "dns", run_id, image, yardstick)
     return out

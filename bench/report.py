@@ -321,7 +321,8 @@ def _https_rows(h: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
 
 
 _SCENARIOS = {"pool": "8 users at the pool's limit (28 of 32 slots, 6 calls each)",
-              "egress": "8 sandboxes downloading at their rate", "flood": "4 sandboxes flooding refused connections"}
+              "egress": "8 sandboxes downloading at their rate", "flood": "4 sandboxes flooding refused connections",
+              "dns": "1 user's 4 sandboxes asking a resolver that never answers"}
 
 
 def _p(figure: dict[str, Any], key: str, q: str) -> float | None:
@@ -348,18 +349,30 @@ def _neighbour_rows(n: dict[str, Any]) -> list[tuple[str, str, str, str, str, st
         extra = {"pool": f"{loaded.get('newcomers_served', 0)} of 4 newcomers served, first calls "
                          f"{', '.join(f'{s:g} s' for s in loaded.get('newcomer_first_call_s', []))}",
                  "egress": f"{loaded.get('egress_mib_s', 0):.0f} MiB/s moved",
-                 "flood": ""}[name]
+                 "flood": "", "dns": ""}[name]
         out.append(("… the daemon's CPU for the neighbours alone, log growth",
                     f"{loaded['daemon_cores']:.2f} cores, {loaded['log_kib_per_s']:.1f} KiB/s",
                     f"quiet {quiet['daemon_cores']:.2f} cores, {quiet['log_kib_per_s']:.1f} KiB/s" + (f"; {extra}" if extra else ""),
                     "", "flood ≤ 0.25 core, ≤ 51 KiB/s" if name == "flood" else "",
                     _check(loaded["daemon_cores"] <= 0.25 and loaded["log_kib_per_s"] <= 51.2)
                     if name == "flood" else "—"))
+        if name == "dns":
+            out.append(_lookup_row(loaded, quiet))
         if name == "pool":
             served = loaded.get("newcomer_first_call_s", [])
             out.append(("… 4 newcomers' first calls, slowest", f"{max(served):.2f} s" if served else "—", "", "",
                         "each ≤ 3 s", _check(len(served) == 4 and max(served) <= 3)))
     return out
+
+
+def _lookup_row(loaded: dict[str, Any], quiet: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
+    """The bystander's request to a name in /etc/hosts beside a user's lookups a dead resolver holds (issue 44)."""
+    lookup, lookup_quiet = _p(loaded, "lookup", "p50"), _p(quiet, "lookup", "p50")
+    x, failed = ratio(lookup, lookup_quiet), loaded.get("lookups_failed", 0)
+    return ("… the bystander's request to a name in /etc/hosts, p50", _ms(lookup),
+            f"quiet {_ms(lookup_quiet)}; {failed} not resolved in time; the user's lookups at the resolver at once: "
+            f"{loaded.get('resolver_lookups_at_once', '—')}", _x(x), "≤ 2× quiet, all resolved",
+            _check(x is not None and x <= 2 and failed == 0))
 
 
 def table(r: dict[str, Any]) -> str:

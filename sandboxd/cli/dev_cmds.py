@@ -17,10 +17,11 @@ from typing import Any
 from sandboxd.cli.common import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_argument_flags, fail, parse_tool_arguments,
                                  print_progress, print_result, user_argument)
 from sandboxd.config import Config
-from sandboxd.dev.session import BackendChoice, DevSession, choose_backend, dev_spec, requested_backend
+from sandboxd.dev.session import BackendChoice, DevSession, choose_backend, dev_spec, requested_backend, user_storage
 from sandboxd.dev.watch import changed_files, snapshot, wait_for_change
 from sandboxd.errors import InvalidParams, SandboxdError
 from sandboxd.logging import configure_logging
+from sandboxd.storage.quota import Storage
 from sandboxd.tools.discovery import ENTRY_FILES, Tool
 from sandboxd.tools.manifest import MANIFEST_FILE
 from sandboxd.dev.scaffold import ScaffoldError, scaffold_tool
@@ -166,13 +167,20 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
         choice = choose_backend(requested, config)
     except SandboxdError as exc:
         return fail(exc.message, EXIT_USAGE)
-    return asyncio.run(_session(args, config, choice, tool_dir, arguments, timeout_s, loaded))
+    storage = user_storage(config) if args.user else None  # DATA_PATH/U under the quota, as the daemon makes it
+    try:
+        return asyncio.run(_session(args, config, choice, tool_dir, arguments, timeout_s, loaded, storage))
+    finally:
+        if storage is not None:
+            storage.close()
 
 
 async def _session(args: argparse.Namespace, config: Config, choice: BackendChoice, tool_dir: Path,
-                   arguments: dict[str, Any], timeout_s: float, loaded: tuple[Tool, dict[str, Any]] | None) -> int:
+                   arguments: dict[str, Any], timeout_s: float, loaded: tuple[Tool, dict[str, Any]] | None,
+                   storage: Storage | None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="sandboxd-run-"))
-    spec = dev_spec(config, tool_dir, scratch, args.user, mount_tool=choice.backend.name == "docker")
+    spec = dev_spec(config, tool_dir, scratch, args.user, mount_tool=choice.backend.name == "docker",
+                    provision=storage.provision if storage is not None else None)
     session = DevSession(config, choice, spec, keep_warm=args.watch,
                          on_tool_output=lambda line: print(line, file=sys.stderr, flush=True))
     stop = asyncio.Event()

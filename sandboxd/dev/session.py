@@ -27,6 +27,7 @@ from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, San
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallParams, CallRunner
+from sandboxd.storage.quota import Storage
 from sandboxd.tools.discovery import Tool
 from sandboxd.tools.esbuild import Esbuild
 from sandboxd.users import global_tools_dir
@@ -90,12 +91,14 @@ def _usable_docker(config: Config) -> tuple[Backend | None, str]:
     return backend, "Docker"
 
 
-def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *, mount_tool: bool) -> SandboxSpec:
+def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *, mount_tool: bool,
+             provision: Callable[[str], None] | None = None) -> SandboxSpec:
     """Mounts as the daemon makes them, with the one tool as the user's only tool.
 
     The scratch directory holds the user tools root (and, without ``user``, the user's
     data). With ``mount_tool`` it also holds the empty mount point of the tool's folder:
-    Docker cannot create it inside the read-only tools root.
+    Docker cannot create it inside the read-only tools root. ``provision`` makes a user's
+    folders under their quota first, as the daemon does (``user_storage``).
     """
     tools_root = scratch / "tools"
     tools_root.mkdir(parents=True, exist_ok=True)
@@ -103,9 +106,23 @@ def dev_spec(config: Config, tool_dir: Path, scratch: Path, user: str | None, *,
         (tools_root / tool_dir.name).mkdir(exist_ok=True)
     mounts = ((tool_dir, f"{CONTAINER_USER_TOOLS}/{tool_dir.name}"),) if mount_tool else ()
     if user is not None:
-        return dataclasses.replace(user_sandbox_spec(config, user), user_tools_dir=tools_root, read_only_mounts=mounts)
+        return dataclasses.replace(user_sandbox_spec(config, user, provision=provision), user_tools_dir=tools_root,
+                                   read_only_mounts=mounts)
     return SandboxSpec(user=DEV_USER, tools_dir=global_tools_dir(config.data_path), user_dir=scratch,
                        user_tools_dir=tools_root, email_db=None, read_only_mounts=mounts)
+
+
+def user_storage(config: Config) -> Storage:
+    """The daemon's quota enforcement, for `run --user`: under hard enforcement the user's folders are
+    made (or converted) as quota subvolumes before the sandbox mounts them, never as plain folders.
+    ConfigError, naming the fix, where ``hard`` cannot be had (not root and no helper, say)."""
+    storage = Storage(config)
+    try:
+        storage.resolve()
+    except BaseException:
+        storage.close()
+        raise
+    return storage
 
 
 class _StreamingBackend:

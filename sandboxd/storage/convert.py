@@ -50,10 +50,11 @@ class _Copy:
     skipped: int = 0  # sockets and devices
 
 
-def to_subvolume(root_fd: int, name: str, join: Callable[[int], object]) -> int:
+def to_subvolume(root_fd: int, name: str, join: Callable[[int], object], finish: Callable[[int], None]) -> int:
     """Replace the plain folder ``name`` in ``root_fd`` by a subvolume with the same contents; its handle.
 
-    ``join(fd)`` puts the new, empty subvolume under the user's limited qgroup before the copy.
+    ``join(fd)`` puts the new, empty subvolume under the user's limited qgroup before the copy;
+    ``finish(fd)`` sets its top's mode and owner, as for a folder made new (its ACLs are copied first).
     Raises ConversionFailed (the folder untouched) when the copy cannot be made.
     """
     temp = name + TEMP_SUFFIX
@@ -65,7 +66,8 @@ def to_subvolume(root_fd: int, name: str, join: Callable[[int], object]) -> int:
         try:
             copy = _Copy(new_fd)
             _copy_folder(old_fd, new_fd, "", copy, 0)
-            _copy_metadata(old_fd, new_fd, os.fstat(old_fd))
+            _copy_xattrs(old_fd, new_fd)
+            finish(new_fd)
         finally:
             os.close(old_fd)
         os.fsync(new_fd)
@@ -208,16 +210,20 @@ def _copy_data(in_fd: int, out_fd: int, size: int) -> None:
 def _copy_metadata(src: int | None, dst: int, info: os.stat_result) -> None:
     """Extended attributes (ACLs), mode, times, then owner: the handle's owner may set the others."""
     if src is not None:
-        for key in os.listxattr(src):
-            try:
-                os.setxattr(dst, key, os.getxattr(src, key))
-            except OSError as exc:
-                if exc.errno in (errno.EDQUOT, errno.ENOSPC):
-                    raise
-                log.warning("storage_convert_xattr_skipped", name=key, error=str(exc))
+        _copy_xattrs(src, dst)
     os.fchmod(dst, stat.S_IMODE(info.st_mode))
     os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
     os.fchown(dst, info.st_uid, info.st_gid)
+
+
+def _copy_xattrs(src: int, dst: int) -> None:
+    for key in os.listxattr(src):
+        try:
+            os.setxattr(dst, key, os.getxattr(src, key))
+        except OSError as exc:
+            if exc.errno in (errno.EDQUOT, errno.ENOSPC):
+                raise
+            log.warning("storage_convert_xattr_skipped", name=key, error=str(exc))
 
 
 def _exchange(root_fd: int, a: str, b: str) -> None:

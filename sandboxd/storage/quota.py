@@ -6,8 +6,8 @@ Two places hold what a user's sandboxes write that outlives a call: DATA_PATH/<u
 - hard: the filesystem is btrfs with quota on, and the daemon is root or the helper
   (helper.py) answers: each user folder is a subvolume, and one qgroup per user holds them
   and carries ``quota_bytes``; the kernel fails a write past it with EDQUOT. btrfs has no
-  file-count limit: files are metadata bytes, which the qgroup counts, so ``quota_inodes``
-  is measured (soft) beside it;
+  file-count limit: files are metadata bytes, which the qgroup counts, so they are bounded
+  by it too. Nothing refuses calls: the kernel stops writes, and deletes still work;
 - soft: usage is measured (usage.py) after each call and on an interval, in a worker
   thread; a user over quota is refused new calls until they hold less.
 
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
-from sandboxd.config import Config, email_db_path
-from sandboxd.errors import ConfigError, QuotaExceeded
+from sandboxd.config import AUTO_SANDBOX_ID, Config, email_db_path
+from sandboxd.errors import BackendUnavailable, ConfigError, QuotaExceeded
 from sandboxd.logging import get_logger
+from sandboxd.sandbox.mounts import R, W, X, grant_access
 from sandboxd.storage import btrfs, convert
 from sandboxd.storage.usage import Usage, measure
 from sandboxd.storage.walks import MIN_SPACING_S, Walks, users_on_disk
@@ -108,6 +109,8 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
     """
     user = check_user(user)
     limit_bytes, _ = config.storage.limits(user)
+    setting = config.sandbox.user
+    sandbox_uid = int((f"{AUTO_SANDBOX_ID}" if setting == "auto" else setting).split(":")[0])
     groups: dict[str, int] = {}  # fs id → the user's qgroup on it
     done: dict[str, str] = {}
     for area in areas(config):
@@ -116,28 +119,64 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
             done[area.name] = "soft"
             continue
         root_fd = os.open(area.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        tools = area.name == "data"
         try:
-            group = _provision_folder(root_fd, area.folder(config, user).name, owner,
-                                      lambda fd: _join_group(root_fd, fd, fs_id, groups, limit_bytes))
+            group = _provision_folder(
+                root_fd, area.folder(config, user).name, owner,
+                lambda fd: _join_group(root_fd, fd, fs_id, groups, limit_bytes),
+                lambda fd: _prepare_for_sandboxes(fd, sandbox_uid, owner, tools=tools))
         finally:
             os.close(root_fd)
         done[area.name] = f"hard:{fs_id}:{group}"
     return done
 
 
-def _provision_folder(root_fd: int, name: str, owner: tuple[int, int], join: Callable[[int], int]) -> int:
+def _provision_folder(root_fd: int, name: str, owner: tuple[int, int], join: Callable[[int], int],
+                      prepare: Callable[[int], None]) -> int:
     """The subvolume ``name`` in ``root_fd`` made (or a plain folder converted) and joined to its qgroup; the qgroup."""
+
+    def finish(fd: int) -> None:  # the daemon owns what it mounts, and sets its ACLs (mounts.py)
+        os.fchmod(fd, 0o700)  # first: once chowned, the helper would need CAP_FOWNER for it
+        prepare(fd)
+        os.fchown(fd, *owner)
+
     try:
         fd, created = btrfs.open_subvolume(root_fd, name, create=True)
     except btrfs.NotASubvolume:
-        fd, created = convert.to_subvolume(root_fd, name, join), False
+        fd, created = convert.to_subvolume(root_fd, name, join, finish), False
     try:
-        if created:  # the daemon owns what it mounts, and sets its ACLs (mounts.py)
-            os.fchmod(fd, 0o700)  # first: once chowned, the helper would need CAP_FOWNER for it
-            os.fchown(fd, *owner)
+        if created:
+            finish(fd)
         return join(fd)
     finally:
         os.close(fd)
+
+
+def _prepare_for_sandboxes(fd: int, sandbox_uid: int, owner: tuple[int, int], *, tools: bool) -> None:
+    """What a sandbox's start writes in a user's folder (mounts.py), written now, while the quota cannot refuse it.
+
+    A folder filled to its quota has no room for a new ACL or a ``tools`` folder; a user whose
+    sandboxes all ended could then never start one to delete files. Best effort: whatever fails
+    here, the sandbox's start tries again and says why.
+    """
+    try:
+        grant_access(fd, sandbox_uid, R | W | X, inherit=True)
+        if not tools:
+            return
+        try:
+            os.mkdir("tools", 0o755, dir_fd=fd)
+            made = True
+        except FileExistsError:
+            made = False
+        tools_fd = os.open("tools", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            grant_access(tools_fd, sandbox_uid, R | X, inherit=True)
+            if made:
+                os.fchown(tools_fd, *owner)
+        finally:
+            os.close(tools_fd)
+    except (OSError, BackendUnavailable) as exc:
+        log.warning("storage_prepare_failed", error=str(exc))
 
 
 def _join_group(root_fd: int, fd: int, fs_id: str, groups: dict[str, int], limit_bytes: int) -> int:
@@ -187,7 +226,8 @@ class UserUsage:
 
     @property
     def over_inodes(self) -> bool:
-        return self.usage.inodes > self.limit_inodes
+        # Hard: files are metadata bytes the qgroup limits; a refusal would only stop the calls that delete them.
+        return not self.bytes_hard and self.usage.inodes > self.limit_inodes
 
     def at_bytes_limit(self) -> bool:
         """Within 5 % (at least 1 MiB) of the byte limit: where btrfs fails writes (it reserves ahead)."""
@@ -251,7 +291,7 @@ class Storage:
             problem, fs_id = (_hard_problem(area, privileged=privileged) if wanted != "soft"
                               else ("storage.enforcement is soft", None))
             if problem is None:
-                places.append(Place(area, "hard", "btrfs qgroup (bytes); files measured, refused over quota_inodes"
+                places.append(Place(area, "hard", "btrfs qgroup (bytes, files' metadata included); calls never refused"
                                     + (" (through sandboxd-quota helper)" if self._via_helper else ""), fs_id))
             else:
                 if helper_problem and "needs root" in problem:

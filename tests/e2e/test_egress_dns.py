@@ -52,7 +52,8 @@ def test_one_users_sandboxes_waiting_on_a_dead_resolver_leave_a_bystanders_looku
     takes about what it took quiet. Before issue 44 each sandbox had two: the user held all eight
     threads, and the bystander's lookup waited out egress.connect_timeout_ms (504)."""
     resolver = DeadResolver(tmp_path / "resolver", {BYSTANDER_NAME: "10.0.0.5"})
-    daemon = make_daemon(loopback_only=True, binds=resolver.binds)
+    # connect_rate: the bystander's requests are refusals (5 each of 50 a second), timed here for their lookups.
+    daemon = make_daemon(loopback_only=True, binds=resolver.binds, env={"SANDBOXD_EGRESS_CONNECT_RATE": "10000"})
     assert daemon.proc is not None
     resolver.start(daemon.proc.pid)
     background = Background(daemon)

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from sandboxd.config import load_config
+from sandboxd.config import AUTO_SANDBOX_ID, load_config
+from sandboxd.sandbox.mounts import acl_users
 from sandboxd.storage import btrfs
 from sandboxd.storage.helper import handle, serve_connection
 from sandboxd.storage.quota import Storage, provision_user
@@ -20,6 +21,7 @@ from sandboxd.storage.quota import Storage, provision_user
 from tests.loopfs import MIB, loop_devices_usable, loop_filesystem
 
 ME, MY_GROUP = os.getuid(), os.getgid()
+SANDBOX_UID = AUTO_SANDBOX_ID
 
 
 def _config(data: Path, **storage: Any) -> Any:
@@ -87,7 +89,7 @@ def test_provisioning_makes_subvolumes_under_one_limited_qgroup_per_user(tmp_pat
         for folder in (user, mail):
             info = os.stat(folder)
             assert info.st_ino == btrfs.SUBVOLUME_ROOT_INO and (info.st_uid, info.st_gid) == (1234, 5678)
-            assert info.st_mode & 0o777 == 0o700
+            assert info.st_mode & 0o707 == 0o700 and acl_users(folder)[SANDBOX_UID] == 7  # ready for a sandbox
         fs_id, group = done["data"].split(":")[1:]
         assert btrfs.qgroup_usage(fs_id, int(group)) is not None
         assert btrfs.qgroup_usage(fs_id, int(group))[1] == 20 * MIB  # type: ignore[index]
@@ -189,7 +191,7 @@ def test_a_plain_folder_is_converted_with_what_it_holds_and_no_link_followed(tmp
         os.chmod(plain, 0o700)
         done = provision_user(config, "p@x.io", (1234, 5678))
         assert done["data"].startswith("hard:")
-        assert os.stat(plain).st_ino == btrfs.SUBVOLUME_ROOT_INO and os.stat(plain).st_mode & 0o777 == 0o700
+        assert os.stat(plain).st_ino == btrfs.SUBVOLUME_ROOT_INO and os.stat(plain).st_mode & 0o707 == 0o700
         tool = os.stat(plain / "tools" / "t" / "TOOL.md")
         assert (tool.st_uid, tool.st_gid, tool.st_mode & 0o777, tool.st_mtime) == (2000, 3000, 0o640, 1_000_000)
         assert (plain / "tools" / "t" / "TOOL.md").read_text() == "tool" and (plain / "tools" / "t" / "deep").is_dir()
@@ -198,6 +200,8 @@ def test_a_plain_folder_is_converted_with_what_it_holds_and_no_link_followed(tmp
         assert os.getxattr(plain / "a", "user.note") == b"kept"
         assert os.readlink(plain / "shadow") == "/etc/shadow" and os.readlink(plain / "etc") == "/etc"
         assert (plain / "fifo").is_fifo()
+        assert acl_users(plain)[SANDBOX_UID] == 7 and acl_users(plain / "tools")[SANDBOX_UID] == 5  # ready for a sandbox
+        assert (os.stat(plain).st_uid, os.stat(plain).st_gid) == (1234, 5678)  # the daemon's, as a folder made new
         assert os.listdir(data) == ["p@x.io"]  # the old tree is gone, no leftover
         fs_id, group = done["data"].split(":")[1:]
         os.sync()
