@@ -5,7 +5,7 @@ short instance per connection, with the connection as its stdin, and CAP_SYS_ADM
 and CAP_CHOWN (the new folders go to the daemon) as its only capabilities. The request is a
 user NAME, checked like the daemon checks it; the paths come from the configuration this
 helper reads itself, never from the request, and are opened without following links
-(storage/quota.py, provision_user). Only the daemon's uid is served (SO_PEERCRED); the limits
+(storage/provision.py, provision_user). Only the daemon's uid is served (SO_PEERCRED); the limits
 are the configuration's, not the caller's.
 
 Protocol: one JSON line in, one out. ``{"op": "check"}`` → ``{"ok": true}``;
@@ -26,7 +26,7 @@ from typing import Any
 
 from sandboxd.config import Config, load_config
 from sandboxd.errors import ConfigError, InvalidParams
-from sandboxd.storage.quota import provision_user
+from sandboxd.storage.provision import provision_user
 from sandboxd.users import check_user
 
 MAX_REQUEST = 4096
