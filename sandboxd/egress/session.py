@@ -27,8 +27,6 @@ from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 log = get_logger("sandboxd.egress")
 
-# A sandbox's lookups at once, of the proxy's DNS_THREADS (egress/proxy.py).
-LOOKUPS_PER_SANDBOX = 2
 TLS_READ_BYTES = 64 << 10  # read from an origin's TLS stream at once
 
 
@@ -43,6 +41,8 @@ class SharedEgress(Shares, Protocol):
 
     @property
     def tls(self) -> ssl.SSLContext: ...
+
+    def lookups_of(self, user: str) -> asyncio.Semaphore: ...
 
     async def decide(self, host: str, port: int, lookups: asyncio.Semaphore) -> tuple[list[IPAddress], Verdict]: ...
 
@@ -63,7 +63,7 @@ class EgressSession:
         self._connections: set[asyncio.Task[None]] = set()
         self.budget = Share(proxy)
         self._accepts = Debt()
-        self._lookups = asyncio.Semaphore(LOOKUPS_PER_SANDBOX)
+        self._lookups = proxy.lookups_of(user)  # one bound for all the user's sandboxes (egress/proxy.py)
 
     def __repr__(self) -> str:
         return f"<EgressSession {self.user} {self.sandbox_id} connections={len(self._connections)}>"
@@ -353,7 +353,7 @@ class EgressSession:
     async def _relay_addresses(self, host: str, port: int, call_port: int | None) -> tuple[list[IPAddress], Verdict]:
         """The browser relay's addresses, when the running call was granted ``port`` (its ``call_port``,
         browser_relay.py); ``[]`` when refused. The operator named the host: the egress policy does not
-        judge it, but a name still resolves within the sandbox's lookups."""
+        judge it, but a name still resolves within the user's lookups."""
         verdict = tunnel_verdict(self._proxy.browser_relay, port, call_port)
         if not verdict.allowed:
             return [], verdict
