@@ -141,6 +141,15 @@ class Pool:
         self._generation += 1
         self._apply(self._plan())
 
+    def retire(self, user: str) -> list[str]:
+        """``user`` went over their disk quota: their sandboxes that ran a tool are replaced, as if their
+        settings were old (idle ones now, busy ones at their call's end); returns their ids."""
+        used = [pooled for pooled in self._of_user.get(user, ()) if pooled.calls or pooled.current is BUSY]
+        for pooled in used:
+            pooled.generation = -1
+        self._replan(user)
+        return [pooled.id for pooled in used]
+
     def maintain(self) -> None:
         """Expire idle sandboxes and keep users warm; called periodically by the server."""
         self._apply(self._plan())
@@ -326,8 +335,10 @@ class Pool:
                counts: Counts, plan: Plan) -> None:
         """Case 6: sharing.serve_fairly decides the turns; its decisions go into the plan, and into
         the counts, idle sandboxes and queues that case 7 reads."""
-        if user is not None:
-            self._count_elsewhere(user, counts, sum(map(len, queues.values())))
+        # A plan of ``user`` alone counts the others' held and stopping sandboxes only near the ceiling
+        # (below it, in as many turns as callers wait, no test of the ceiling or of room can be true).
+        if user is not None and counts.total + sum(map(len, queues.values())) >= self._ceiling():
+            counts.hold_others(user, self._sandboxes)
         limits = Limits(self.config.max_per_user, self.config.max_total, self._ceiling())
         arrival = {waiter: i for i, waiter in enumerate(self._waiters)} if len(queues) > 1 else {}
         for decision in serve_fairly(queues, idle_of, arrival, counts, limits):
@@ -340,19 +351,6 @@ class Pool:
             else:
                 plan.destroy.append(decision.sandbox)
                 idle_of[decision.sandbox.user].remove(decision.sandbox)
-
-    def _count_elsewhere(self, user: str, counts: Counts, waiting: int) -> None:
-        """For a plan of ``user`` alone: add the others' held and stopping sandboxes to ``counts``, only
-        near the ceiling (below it, in ``waiting`` turns, no test of the ceiling or of room can be true)."""
-        if counts.total + waiting < self._ceiling():
-            return
-        for pooled in self._sandboxes:
-            if pooled.user == user:
-                continue
-            if pooled.state is STOPPING and not pooled.removed:
-                counts.stopping += 1
-            elif pooled.held_now:
-                counts.held_total += 1
 
     def _keep_warm(self, user: str | None, queues: dict[str, list[Waiter]], idle_of: dict[str, list[PooledSandbox]],
                    counts: Counts, plan: Plan) -> None:

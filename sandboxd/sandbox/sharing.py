@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from sandboxd.config import PoolConfig
-from sandboxd.sandbox.pooled import HELD, PooledSandbox, Waiter
+from sandboxd.sandbox.pooled import HELD, STOPPING, PooledSandbox, Waiter
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,16 @@ class Counts:
         self.held_total += 1
         if starting:
             bump(self.starting, user)
+
+    def hold_others(self, user: str, sandboxes: Iterable[PooledSandbox]) -> None:
+        """Count everyone else's held and stopping sandboxes (for a plan of ``user`` alone near the ceiling)."""
+        for pooled in sandboxes:
+            if pooled.user == user:
+                continue
+            if pooled.state is STOPPING and not pooled.removed:
+                self.stopping += 1
+            elif pooled.held_now:
+                self.held_total += 1
 
     def started(self, user: str) -> str:
         """Count a start decided for ``user``; returns ``user``."""

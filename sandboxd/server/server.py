@@ -42,6 +42,8 @@ from sandboxd.users import check_user, global_tools_dir
 log = get_logger("sandboxd.server")
 
 MAINTENANCE_INTERVAL_S = 1.0
+OVER_QUOTA_KILL = ("sandboxd: this user's folders went over their disk quota, so the call was stopped and their "
+                   "sandboxes replaced; new calls are refused until they hold less. Delete files to free space.")
 ACCEPTS_PER_TURN = 16  # clients accepted before the loop's other work gets a turn
 
 
@@ -87,6 +89,7 @@ class Server:
         self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
         self.storage = Storage(config)  # each user's disk quota: enforced by the kernel, or measured
         self.runner.storage = self.storage
+        self.storage.on_over, self.storage.live_users = self._stop_writers, lambda: self.pool.status()["users"]
         self.metrics = Metrics(self)
         self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
@@ -230,6 +233,16 @@ class Server:
             if time.monotonic() - summarized >= SUMMARY_INTERVAL_S:
                 summarized = time.monotonic()
                 log_dropped_summary()  # one line for what the log's budgets dropped
+
+    def _stop_writers(self, user: str) -> None:
+        """``user`` was measured over quota (soft): no tool of theirs keeps writing past the refusal.
+        Their running calls are ended and every sandbox of theirs that ran a tool is replaced."""
+        killed = [ctx.kill(OVER_QUOTA_KILL) for ctx in list(self.calls.in_flight)
+                  if ctx.sandbox is not None and ctx.sandbox.user == user]
+        retired = self.pool.retire(user)
+        if retired:
+            log.warning("storage_over_quota_stopped", user=user, calls_ended=sum(killed), sandboxes=retired,
+                        detail="over their disk quota: their sandboxes that ran a tool are replaced")
 
     # -- status ----------------------------------------------------------------
 

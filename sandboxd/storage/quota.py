@@ -87,6 +87,7 @@ class Storage:
         self.config = config
         self.places: list[Place] = []
         self.refusals = 0
+        self.walks = 0  # of users' folders (sandbox/status: storage.walks), each user's at most one a second
         self._usage: dict[str, UserUsage] = {}
         self._provisioned: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
@@ -232,6 +233,7 @@ class Storage:
         limit_bytes, limit_inodes = self._limits(user)
         folders = [area.folder(self.config, user) for area in areas(self.config)]
         usage = measure(folders, limit_inodes)
+        self.walks += 1
         bytes_hard, group = self._kernel_group(user)
         kernel = btrfs.qgroup_usage(*group) if group is not None else None
         if kernel is not None:  # what the kernel holds against the limit
@@ -359,7 +361,7 @@ class Storage:
             "enforcement": [{"area": p.area.name, "path": str(p.area.root), "mode": p.mode, "how": p.how}
                             for p in self.places],
             "refusals": self.refusals,
-            "walks": self._walks.count,  # of users' folders, each at most one a second (walks.py)
+            "walks": self.walks,
             "users": {user: {"bytes": r.usage.bytes, "limitBytes": r.limit_bytes, "inodes": r.usage.inodes,
                              "limitInodes": r.limit_inodes, "bytesEnforcedByKernel": r.bytes_hard,
                              "over": r.over_bytes or r.over_inodes, "measuredAgoS": round(now - r.measured_at, 1)}

@@ -36,7 +36,6 @@ class Walks(Generic[T]):
         self._next: dict[str, asyncio.Future[T]] = {}  # by user: the walk not yet started, shared by its askers
         self._last_start: dict[str, float] = {}
         self._last_took: dict[str, float] = {}
-        self.count = 0  # walks started (sandbox/status: storage.walks)
 
     def next(self, user: str) -> asyncio.Future[T]:
         """The result of ``user``'s next walk, shared with everyone who asked since their last one started."""
@@ -55,7 +54,6 @@ class Walks(Generic[T]):
     def _start(self, user: str) -> None:
         future = self._next.pop(user)
         self._last_start[user] = time.monotonic()
-        self.count += 1
         try:
             walking = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, user)
         except RuntimeError:  # the executor was shut down: the daemon is stopping

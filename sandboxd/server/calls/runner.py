@@ -95,6 +95,10 @@ class CallRunner:
                     ctx.queue_wait_s = time.monotonic() - queued_at
                     reusable = False
                     try:
+                        refused = self.storage.refusal(call.user) if self.storage is not None else None
+                        if refused is not None:  # measured over quota while it waited: its tool would write more
+                            reusable = True
+                            raise refused
                         outcome, reusable = await self._in_sandbox(pooled.sandbox, request, guard, call, ctx, on_progress, started)
                     finally:
                         ctx.finish()

@@ -1,0 +1,3 @@
+export async function execute(): Promise<never> {
+  throw new Error("ENOSPC: no space left on device, write");
+}
