@@ -49,8 +49,8 @@ class StorageConfig(Section):
     # E2B gives a sandbox 1-5 GB, Daytona 3 GiB: the upper end, for a user's data and mail together.
     quota_bytes: int = Field(5 << 30, ge=1 << 20, description="Bytes one user's folders (DATA_PATH/<user> and the email folder) may hold together, as a size like '5g' or '500m'.")
     quota_inodes: int = Field(500_000, ge=100, description="Files and folders one user's folders may hold together.")
-    enforcement: Enforcement = Field("auto", description="off = no quota; soft = usage measured after each call and on an interval, a user over quota is refused new calls; hard = the kernel stops writes at the limit (btrfs qgroups; start-up stops where it cannot); auto = hard where the filesystem allows it, else soft, said once at start.")
-    measure_interval_s: float = Field(60.0, gt=0, description="How often each user's usage is measured besides after their calls (users over quota: every few seconds).")
+    enforcement: Enforcement = Field("auto", description="off = no quota; soft = usage measured after each call and on an interval, a user over quota is refused new calls and their sandboxes replaced; hard = the kernel stops writes at the limit (btrfs qgroups; start-up stops where it cannot); auto = hard where the filesystem allows it, else soft, said once at start.")
+    measure_interval_s: float = Field(60.0, gt=0, description="How often each user's usage is measured besides after their calls (users over quota: every few seconds; soft mode, users with sandboxes: every second).")
     helper_socket: Path = Field(Path("/run/sandboxd-quota.sock"), description="The privileged quota helper's socket (sandboxd-quota.socket), used when the daemon does not run as root.")
     users: dict[str, UserQuota] = Field(default_factory=dict, description="Per-user quotas: user email -> {quota_bytes, quota_inodes}; what a user's entry leaves out is the default.")
 
