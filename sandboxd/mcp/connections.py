@@ -7,10 +7,14 @@ client with the token is the one refused. Here, on top of uvicorn's h11 protocol
 - a connection has ``head_timeout_s`` to deliver a whole request head, from when it opens
   or its last answer ends (bytes trickled in do not extend it), else it is closed;
 - at most ``max_connections`` are open (fewer if the fd limit is lower). A new one past
-  that closes the oldest connection that is not in the middle of a request (idle, or
-  still sending its head), so a flood of silent connections costs the newest of them,
-  never the client whose request is being served; when every one is mid-request (held
-  streams, only a token holder has those), the newcomer is answered 503 and closed.
+  that closes a connection that is not in the middle of a request (idle, or still sending
+  its head): the oldest of those that never carried the token first, and one that did
+  (the token holder's idle keep-alive connection) only when no stranger is left to close.
+  So a flood costs its own connections, never the client whose request is being served
+  nor its next request; when every one is mid-request (held streams, only a token holder
+  has those), the newcomer is answered 503 and closed.
+- a request without the token is answered 401 with ``connection: close`` (sandboxd.mcp.http),
+  so a stranger holds a slot for at most one head timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from sandboxd.logging import get_logger
+from sandboxd.mcp.http import authorized
 
 log = get_logger("sandboxd.mcp")
 
@@ -31,41 +36,66 @@ REPORT_INTERVAL_S = 10.0  # a flood is logged once per interval, not once per co
 
 
 class Admission:
-    """The open connections, oldest first, and the cap they are held to."""
+    """The open connections and the cap they are held to: strangers oldest first, token holders by last request."""
 
-    def __init__(self, cap: int, head_timeout_s: float) -> None:
-        self.cap, self.head_timeout_s = cap, head_timeout_s
-        self.open: OrderedDict[BoundedH11Protocol, None] = OrderedDict()
-        self.evicted = self.refused = self.timed_out = 0
-        self._reported = (0, 0, 0)
+    def __init__(self, cap: int, head_timeout_s: float, token: bytes) -> None:
+        self.cap, self.head_timeout_s, self.token = cap, head_timeout_s, token
+        self.strangers: OrderedDict[BoundedH11Protocol, None] = OrderedDict()  # never carried the token
+        self.vouched: OrderedDict[BoundedH11Protocol, None] = OrderedDict()  # carried it; last request longest ago first
+        self.evicted = self.evicted_vouched = self.refused = self.timed_out = 0
+        self._reported = (0, 0, 0, 0)
         self._last_report = 0.0
         self._pending: asyncio.TimerHandle | None = None
 
+    @property
+    def open(self) -> int:
+        return len(self.strangers) + len(self.vouched)
+
     def admit(self, new: BoundedH11Protocol) -> bool:
-        """Make room for ``new`` (closing the oldest connection not mid-request), or False: it is to be refused."""
-        if len(self.open) >= self.cap:
-            victim = next((conn for conn in self.open if not conn.mid_request), None)
+        """Make room for ``new`` (closing an idle connection, a stranger's first), or False: it is to be refused."""
+        if self.open >= self.cap:
+            victim = self._victim()
             if victim is None:
                 self.refused += 1
                 self.report()
                 return False
-            self.evicted += 1
             self.forget(victim)
             victim.transport.abort()  # its fd now, not after a FIN handshake
             self.report()
-        self.open[new] = None
+        self.strangers[new] = None
         return True
+
+    def _victim(self) -> BoundedH11Protocol | None:
+        """The oldest idle stranger, else the token holder's connection idle longest; None when all are serving."""
+        victim = next((conn for conn in self.strangers if not conn.mid_request), None)
+        if victim is not None:
+            self.evicted += 1
+            return victim
+        victim = next((conn for conn in self.vouched if not conn.mid_request), None)
+        if victim is not None:
+            self.evicted_vouched += 1
+        return victim
+
+    def heard(self, conn: BoundedH11Protocol, authorization: bytes | None) -> None:
+        """A request head arrived on ``conn``: with the token, it joins the token holders (a stranger no more)."""
+        if conn in self.vouched:
+            self.vouched.move_to_end(conn)
+        elif conn in self.strangers and authorized(authorization.decode("latin-1") if authorization else None,
+                                                   self.token):
+            del self.strangers[conn]
+            self.vouched[conn] = None
 
     def _report_pending(self) -> None:
         self._pending = None
         self.report()
 
     def forget(self, conn: BoundedH11Protocol) -> None:
-        self.open.pop(conn, None)
+        self.strangers.pop(conn, None)
+        self.vouched.pop(conn, None)
 
     def report(self) -> None:
         now = time.monotonic()
-        counts = (self.evicted, self.refused, self.timed_out)
+        counts = (self.evicted, self.evicted_vouched, self.refused, self.timed_out)
         if counts == self._reported:
             return
         if now - self._last_report < REPORT_INTERVAL_S:
@@ -74,10 +104,10 @@ class Admission:
                 self._pending = asyncio.get_running_loop().call_later(wait, self._report_pending)
             return
         self._last_report = now
-        evicted, refused, timed_out = (c - r for c, r in zip(counts, self._reported))
+        evicted, evicted_vouched, refused, timed_out = (c - r for c, r in zip(counts, self._reported))
         self._reported = counts
-        log.warning("mcp_http_connections_bounded", cap=self.cap, open=len(self.open), closed_oldest_idle=evicted,
-                    refused_all_busy=refused, closed_without_a_head=timed_out,
+        log.warning("mcp_http_connections_bounded", cap=self.cap, open=self.open, closed_oldest_idle=evicted,
+                    closed_idle_with_token=evicted_vouched, refused_all_busy=refused, closed_without_a_head=timed_out,
                     hint="many connections without a request: a client that does not close them, or a flood; "
                          "raise --max-connections if a legitimate host needs more")
 
@@ -95,6 +125,7 @@ class BoundedH11Protocol(H11Protocol):
     admission: ClassVar[Admission]
     _head_timer: asyncio.TimerHandle | None = None
     _answered = False  # a response has been sent on this connection
+    _heard: Any = None  # the request cycle whose head Admission was last told of
 
     @classmethod
     def bound_by(cls, admission: Admission) -> type[BoundedH11Protocol]:
@@ -120,8 +151,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.mid_request:
+        if self.mid_request and self._heard is not self.cycle:  # a new request's head: once, not per body chunk
+            self._heard = self.cycle
             self._stop_head_timer()
+            self.admission.heard(self, next((value for name, value in self.headers if name == b"authorization"), None))
 
     def on_response_complete(self) -> None:
         self._answered = True

@@ -6,7 +6,8 @@ MCP spec asks against DNS rebinding): its own loopback origins and those named w
 ``--allow-origin`` (a TLS proxy's public origin). It listens on a loopback address unless
 ``allow_unsafe`` names ``mcp_http_remote``: anything further is a TLS proxy's job.
 A POST body with a key twice in one object is answered 400 and never run (sandboxd.mcp.strict).
-Connections are bounded before the token is seen (sandboxd.mcp.connections); sessions by
+Connections are bounded before the token is seen, and those that never carried it are
+closed first (sandboxd.mcp.connections); sessions by
 the SDK's cap and idle expiry, set from HttpLimits.
 """
 
@@ -96,8 +97,9 @@ class Guard:
         if scope["type"] == "http":
             headers = Headers(scope=scope)
             if not authorized(headers.get("authorization"), self.token):
+                # Closed after the answer: a connection without the token holds no slot for its next try.
                 return await _refuse(send, 401, f"a valid 'Authorization: Bearer <token>' header is needed (${TOKEN_ENV}).",
-                                     ((b"www-authenticate", b'Bearer realm="sandboxd"'),))
+                                     ((b"www-authenticate", b'Bearer realm="sandboxd"'), (b"connection", b"close")))
             origin = headers.get("origin")
             if origin is not None and origin not in self.origins:
                 return await _refuse(send, 403, f"Origin {origin[:200]!r} is not one this server serves; "

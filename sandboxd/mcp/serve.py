@@ -50,7 +50,7 @@ async def _serve_http(server: object, listen: HttpListen, max_body: int) -> None
     cap = connection_cap(limits.max_connections)
     asgi = app(server, host=listen.host, port=listen.port, token=listen.token, extra_origins=listen.extra_origins,
                max_body=max_body, limits=limits)
-    protocol = BoundedH11Protocol.bound_by(Admission(cap, limits.head_timeout_s))
+    protocol = BoundedH11Protocol.bound_by(Admission(cap, limits.head_timeout_s, listen.token))
     get_logger("sandboxd.mcp").info("mcp_http_listening", url=f"http://{listen.host}:{listen.port}/mcp",
                                     max_connections=cap, head_timeout_s=limits.head_timeout_s,
                                     max_sessions=limits.max_sessions, session_idle_s=limits.session_idle_s)

@@ -169,6 +169,8 @@ def test_the_guard_lets_through_only_the_token_and_the_servers_origins() -> None
         sent, reached = guarded(headers)
         assert not reached and sent[0]["status"] == status
         assert json.loads(sent[1]["body"])["error"]["code"] == -32600
+        # Without the token the connection is closed after the answer: it holds no slot for another try.
+        assert ((b"connection", b"close") in sent[0]["headers"]) is (status == 401)
     assert guarded([auth], "websocket") == ([], False)
 
 
@@ -229,16 +231,52 @@ def test_a_newcomer_past_the_cap_closes_the_oldest_idle_connection_never_one_ser
     from sandboxd.mcp.connections import Admission
 
     async def scenario() -> None:
-        admission = Admission(3, 5.0)
+        admission = Admission(3, 5.0, TOKEN)
         serving, idle_old, idle_new = _Conn(mid_request=True), _Conn(), _Conn()
         for conn in (serving, idle_old, idle_new):
             assert admission.admit(conn)  # type: ignore[arg-type]
         newcomer = _Conn()
         assert admission.admit(newcomer)  # type: ignore[arg-type]
         assert idle_old.aborted and not serving.aborted and not idle_new.aborted
-        assert list(admission.open) == [serving, idle_new, newcomer]
+        assert list(admission.strangers) == [serving, idle_new, newcomer]
         idle_new.mid_request = newcomer.mid_request = True
         assert not admission.admit(_Conn())  # type: ignore[arg-type]  # every one is serving: refused
         assert (admission.evicted, admission.refused) == (1, 1)
 
+    asyncio.run(scenario())
+
+
+def test_a_connection_that_carried_the_token_is_closed_only_when_no_idle_stranger_is_left() -> None:
+    from sandboxd.mcp.connections import Admission
+
+    async def scenario() -> None:
+        admission = Admission(3, 5.0, TOKEN)
+        holder, wrong, silent = _Conn(), _Conn(), _Conn()
+        for conn in (holder, wrong, silent):  # the token holder's connection is the oldest
+            assert admission.admit(conn)  # type: ignore[arg-type]
+        admission.heard(holder, b"Bearer " + TOKEN)  # type: ignore[arg-type]
+        admission.heard(wrong, b"Bearer " + TOKEN[:-1] + b"x")  # type: ignore[arg-type]
+        assert list(admission.vouched) == [holder] and list(admission.strangers) == [wrong, silent]
+        first, second = _Conn(), _Conn()
+        assert admission.admit(first) and admission.admit(second)  # type: ignore[arg-type]
+        assert wrong.aborted and silent.aborted and not holder.aborted  # strangers first, oldest first
+        first.mid_request = second.mid_request = True
+        assert admission.admit(_Conn())  # type: ignore[arg-type]  # no idle stranger left: the holder's, last
+        assert holder.aborted and (admission.evicted, admission.evicted_vouched) == (2, 1)
+
+    asyncio.run(scenario())
+
+
+def test_token_holders_are_closed_idle_longest_first() -> None:
+    from sandboxd.mcp.connections import Admission
+
+    async def scenario() -> None:
+        admission = Admission(2, 5.0, TOKEN)
+        early, late = _Conn(), _Conn()
+        for conn in (early, late):
+            assert admission.admit(conn)  # type: ignore[arg-type]
+            admission.heard(conn, b"Bearer " + TOKEN)  # type: ignore[arg-type]
+        admission.heard(early, b"Bearer " + TOKEN)  # type: ignore[arg-type]  # a later request on the older one
+        assert admission.admit(_Conn())  # type: ignore[arg-type]
+        assert late.aborted and not early.aborted
     asyncio.run(scenario())
