@@ -10,9 +10,11 @@ TCP), up to ``WAKEUP_BYTES`` per wakeup, and a sandbox over its rate pauses for 
 ``MIN_PAUSE_S``. docs/performance.md ("Noisy neighbours") has the figures.
 
 Pipes are pooled: a direction holds one only while bytes wait in it for a slow reader;
-one that moves everything at once gives it back in the same callback. A direction that
-gets no pipe of useful size (the kernel's pipe-user-pages limits) copies through a
-buffer instead, as it does where splice is not to be had.
+one that moves everything at once gives it back in the same callback. At most
+``RELAY_PIPES`` exist at once, every tunnel's together: the descriptor budget counts them
+(service/fds.py), and they pin at most 256 KiB of kernel memory each. A direction that
+gets no pipe (all held by stalled tunnels, or the kernel's pipe-user-pages limits) copies
+through a buffer of at most ``COPY_BYTES`` instead, as it does where splice is not to be had.
 
 Budgets: every byte moved, both ways, is spent from the sandbox's ``Budget``; a wakeup
 costs at least ``MIN_COST`` of it, so a tool sending in tiny pieces cannot turn its rate
@@ -30,8 +32,11 @@ import socket
 import time
 from typing import Protocol
 
+from sandboxd.service.fds import RELAY_PIPES
+
 PIPE_BYTES = 256 << 10
 MIN_PIPE_BYTES = 64 << 10  # less than this (the user's pipe limits reached) and a buffer does better
+COPY_BYTES = 64 << 10  # read at once without a pipe: what a stalled direction holds in memory, at most
 WAKEUP_BYTES = 1 << 20  # then other connections' turn: the socket is still readable, the loop comes back
 MIN_COST = 16 << 10  # what a wakeup costs of the budget, however little it moved
 MIN_PAUSE_S = 0.01
@@ -52,14 +57,19 @@ class Budget(Protocol):
 
 
 class _Pipes:
-    """Empty pipes for the next fill, sized once (the daemon's pipe pages are a per-user kernel budget)."""
+    """Empty pipes for the next fill, sized once (the daemon's pipe pages are a per-user kernel budget);
+    at most ``RELAY_PIPES`` open at once, pooled or held, the number the descriptor budget counts."""
 
     def __init__(self) -> None:
         self._free: list[tuple[int, int]] = []
+        self.open = 0  # pipes that exist: pooled, or held by a direction
 
     def take(self) -> tuple[int, int] | None:
+        """An empty pipe, or None: every pipe the budget counts is held (or the kernel gave none): copy instead."""
         if self._free:
             return self._free.pop()
+        if self.open >= RELAY_PIPES:
+            return None
         try:
             r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
@@ -72,6 +82,7 @@ class _Pipes:
             os.close(r)
             os.close(w)
             return None
+        self.open += 1
         return r, w
 
     def give(self, pipe: tuple[int, int]) -> None:
@@ -79,8 +90,13 @@ class _Pipes:
         if len(self._free) < SPARE_PIPES:
             self._free.append(pipe)
         else:
-            for fd in pipe:
-                os.close(fd)
+            self.discard(pipe)
+
+    def discard(self, pipe: tuple[int, int]) -> None:
+        """Closed: bytes left in it (a tunnel ended mid-way), or no room to keep it."""
+        for fd in pipe:
+            os.close(fd)
+        self.open -= 1
 
 
 _pipes = _Pipes()
@@ -113,8 +129,7 @@ class _Direction:
         if self._resume is not None:
             self._resume.cancel()
         if self._pipe is not None:  # bytes left in it: it cannot serve another direction
-            for fd in self._pipe:
-                os.close(fd)
+            _pipes.discard(self._pipe)
             self._pipe = None
 
     def _set_reading(self, on: bool) -> None:
@@ -191,7 +206,7 @@ class _Direction:
                 self._release_pipe()
                 return self._fill(size)
         else:
-            data = os.read(self._src, size)
+            data = os.read(self._src, min(size, COPY_BYTES))
             self._buffer += data
             read = len(data)
         self._held += read

@@ -3,9 +3,10 @@
 Every connection costs the daemon a descriptor, and it has RLIMIT_NOFILE of them: each
 sandbox's egress tunnels (two each: the sandbox's end and the upstream one), each client's
 connections to the API socket, and the daemon's own work (Docker's API, the listening
-sockets, logs, metrics, DNS). When they run out, accept() and socket() fail with EMFILE for
-every user at once. So start-up divides the limit (``FdBudget``): a fixed reserve for the
-daemon's own work, a share for each sandbox the pool may hold, and the rest for clients,
+sockets, logs, metrics, DNS), and the egress relay's pipes (``RELAY_PIPES``, shared by every
+tunnel). When they run out, accept() and socket() fail with EMFILE for every user at once.
+So start-up divides the limit (``FdBudget``): a fixed reserve for the daemon's own work and
+the relay's pipes, a share for each sandbox the pool may hold, and the rest for clients,
 of which one peer uid may hold ``per_client`` (``ClientShares``). A configuration whose
 shares do not fit the limit stops start-up. docs/config.md, "File descriptors".
 """
@@ -26,6 +27,11 @@ log = get_logger("sandboxd.fds")
 # The daemon's own work: ~20 descriptors idle (measured), plus the Docker SDK's pooled connections
 # (10 at most), eight DNS threads' sockets, esbuild's pipes and metrics scrapes, with room to spare.
 RESERVED_FDS = 256
+# Pipes the egress relay may hold at once, every tunnel's together (egress/relay.py): a direction
+# holds one while bytes wait for a slow reader; past them it waits in a buffer. Two descriptors each,
+# at most 256 KiB of kernel memory each (8 MiB in all).
+RELAY_PIPES = 32
+RELAY_PIPE_FDS = 2 * RELAY_PIPES
 # A sandbox's own, besides its egress tunnels: its egress.sock listener, the shim's connection,
 # the attach stream, and a connect to Docker while it starts or stops (8 idle sandboxes: 35, measured).
 SANDBOX_OWN_FDS = 4
@@ -54,6 +60,7 @@ class FdBudget:
     sandboxes: int  # pool.max_total of them
     clients: int  # every connection to the API socket together, refused ones included
     per_client: int  # connections one peer uid may hold (max_client_connections, or a share of clients)
+    pipes: int = RELAY_PIPE_FDS  # the egress relay's pipes, every tunnel's together
 
     @classmethod
     def plan(cls, config: Config, limit: int) -> FdBudget:
@@ -61,25 +68,27 @@ class FdBudget:
         egress = config.egress.max_connections
         per_sandbox = egress_fds(egress) + SANDBOX_OWN_FDS
         sandboxes = config.pool.max_total * per_sandbox
-        clients = limit - RESERVED_FDS - sandboxes
+        clients = limit - RESERVED_FDS - RELAY_PIPE_FDS - sandboxes
         if clients < MIN_CLIENT_FDS:
-            need = RESERVED_FDS + sandboxes + MIN_CLIENT_FDS
+            need = RESERVED_FDS + RELAY_PIPE_FDS + sandboxes + MIN_CLIENT_FDS
             raise ConfigError(
                 f"the file descriptor limit ({limit}, RLIMIT_NOFILE) cannot hold this configuration: "
                 f"pool.max_total ({config.pool.max_total}) sandboxes of {per_sandbox} descriptors each "
                 f"(2 x egress.max_connections ({egress}) + {EGRESS_REFUSING + SANDBOX_OWN_FDS} of their own) "
-                f"is {sandboxes}; with {RESERVED_FDS} for the daemon itself and {MIN_CLIENT_FDS} for clients it "
-                f"needs {need}. Raise the limit to at least {need} (LimitNOFILE= in the systemd unit, "
-                f"`ulimit -Hn` in a shell), or lower pool.max_total or egress.max_connections.")
+                f"is {sandboxes}; with {RESERVED_FDS} for the daemon itself, {RELAY_PIPE_FDS} for the egress relay's "
+                f"pipes and {MIN_CLIENT_FDS} for clients it needs {need}. Raise the limit to at least {need} "
+                f"(LimitNOFILE= in the systemd unit, `ulimit -Hn` in a shell), or lower pool.max_total or "
+                "egress.max_connections.")
         derived = (clients - CLIENT_REFUSING) // CLIENT_SHARE_DIVISOR
         per_client = config.max_client_connections or derived
         if per_client + CLIENT_REFUSING > clients:
             raise ConfigError(
                 f"max_client_connections ({per_client}) does not fit the clients' share of the file descriptor "
-                f"limit ({clients} of {limit}, after {sandboxes} for the sandboxes and {RESERVED_FDS} for the "
-                f"daemon): set it to at most {clients - CLIENT_REFUSING} (or leave it unset: {derived}), "
-                "or raise the limit (LimitNOFILE= in the systemd unit).")
-        return cls(limit, RESERVED_FDS, per_sandbox, sandboxes, clients, per_client)
+                f"limit ({clients} of {limit}, after {sandboxes} for the sandboxes and "
+                f"{RESERVED_FDS + RELAY_PIPE_FDS} for the daemon and its relay's pipes): set it to at most "
+                f"{clients - CLIENT_REFUSING} (or leave it unset: {derived}), or raise the limit (LimitNOFILE= in "
+                "the systemd unit).")
+        return cls(limit, RESERVED_FDS, per_sandbox, sandboxes, clients, per_client, RELAY_PIPE_FDS)
 
 
 def raise_nofile_limit() -> tuple[int, int, int]:

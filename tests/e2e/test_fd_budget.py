@@ -28,7 +28,7 @@ pytestmark = pytest.mark.docker
 
 PORT = 18099  # in the daemon's own network namespace, where nothing else listens
 NOBODY = 65534
-SOFT, HARD = 1024, 3072  # systemd's default soft limit; a hard one just above what the defaults need (2624)
+SOFT, HARD = 1024, 3072  # systemd's default soft limit; a hard one just above what the defaults need (2688)
 FLOODERS = [f"flood{i}@example.com" for i in range(4)]
 BYSTANDER = "bystander@example.com"
 HOLD_S = 25

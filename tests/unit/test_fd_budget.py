@@ -17,8 +17,8 @@ from sandboxd.config import ConfigError, load_config
 from sandboxd.egress.secrets import StandIns
 from sandboxd.sandbox.backend import EgressCall
 from sandboxd.service import fds
-from sandboxd.service.fds import (CLIENT_REFUSING, EGRESS_REFUSING, RESERVED_FDS, SANDBOX_OWN_FDS, ClientShares,
-                                  FdBudget, raise_nofile_limit)
+from sandboxd.service.fds import (CLIENT_REFUSING, EGRESS_REFUSING, RELAY_PIPE_FDS, RESERVED_FDS, SANDBOX_OWN_FDS,
+                                  ClientShares, FdBudget, raise_nofile_limit)
 from tests.unit.test_egress import make_proxy
 from tests.unit.test_server import Harness, serving
 
@@ -31,10 +31,10 @@ def test_the_defaults_under_the_units_limit_give_each_sandbox_its_tunnels_and_cl
     budget = FdBudget.plan(config(), 65536)
     per_sandbox = 2 * 32 + EGRESS_REFUSING + SANDBOX_OWN_FDS
     assert (budget.reserved, budget.per_sandbox, budget.sandboxes) == (RESERVED_FDS, per_sandbox, 32 * per_sandbox)
-    assert budget.clients == 65536 - RESERVED_FDS - 32 * per_sandbox
+    assert budget.clients == 65536 - RESERVED_FDS - RELAY_PIPE_FDS - 32 * per_sandbox
     assert budget.per_client == (budget.clients - CLIENT_REFUSING) // 4
-    # Everything at its share fits the limit with the reserve untouched.
-    assert budget.reserved + budget.sandboxes + budget.clients == budget.limit
+    # Everything at its share fits the limit with the reserve untouched, the relay's pipes counted.
+    assert budget.reserved + budget.pipes + budget.sandboxes + budget.clients == budget.limit
 
 
 def test_the_defaults_do_not_fit_1024_and_the_refusal_names_the_keys_and_the_fix() -> None:
@@ -42,8 +42,9 @@ def test_the_defaults_do_not_fit_1024_and_the_refusal_names_the_keys_and_the_fix
     with pytest.raises(ConfigError) as refused:
         FdBudget.plan(config(), 1024)
     message = refused.value.message
-    need = RESERVED_FDS + 32 * (2 * 32 + EGRESS_REFUSING + SANDBOX_OWN_FDS) + fds.MIN_CLIENT_FDS
+    need = RESERVED_FDS + RELAY_PIPE_FDS + 32 * (2 * 32 + EGRESS_REFUSING + SANDBOX_OWN_FDS) + fds.MIN_CLIENT_FDS
     for words in ("(1024, RLIMIT_NOFILE)", "pool.max_total (32)", "egress.max_connections (32)", f"needs {need}",
+                  f"{RELAY_PIPE_FDS} for the egress relay's pipes",
                   f"at least {need} (LimitNOFILE=", "lower pool.max_total or egress.max_connections"):
         assert words in message, message
     assert FdBudget.plan(config(), need).clients == fds.MIN_CLIENT_FDS  # exactly enough is enough
@@ -51,7 +52,7 @@ def test_the_defaults_do_not_fit_1024_and_the_refusal_names_the_keys_and_the_fix
 
 def test_a_smaller_pool_or_fewer_tunnels_fit_1024() -> None:
     small_pool = FdBudget.plan(config(pool={"max_total": 8, "reserve": 1}), 1024)
-    assert small_pool.clients == 1024 - RESERVED_FDS - 8 * small_pool.per_sandbox
+    assert small_pool.clients == 1024 - RESERVED_FDS - RELAY_PIPE_FDS - 8 * small_pool.per_sandbox
     few_tunnels = FdBudget.plan(config(egress={"max_connections": 4}), 1024)
     assert few_tunnels.per_sandbox == 2 * 4 + EGRESS_REFUSING + SANDBOX_OWN_FDS
 

@@ -215,3 +215,69 @@ def test_pipes_with_too_little_room_are_not_used(monkeypatch: pytest.MonkeyPatch
     pool = relay._Pipes()
     before = open_fds()
     assert pool.take() is None and open_fds() == before
+
+
+def open_pipes() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def test_the_pool_opens_no_more_pipes_than_the_budget_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay, "RELAY_PIPES", 3)
+    pool, before = relay._Pipes(), open_pipes()
+    held = [pool.take() for _ in range(3)]
+    assert None not in held and pool.take() is None and open_pipes() == before + 6
+    pipes = [pipe for pipe in held if pipe is not None]
+    pool.discard(pipes.pop())  # a tunnel ended with bytes in its pipe: one may be opened again
+    again = pool.take()
+    assert again is not None and pool.take() is None
+    for pipe in [*pipes, again]:
+        pool.give(pipe)
+    assert pool.open == 3 and open_pipes() == before + 6  # pooled for the next fill, still counted
+
+
+def test_tunnels_stalled_both_ways_hold_no_more_pipes_than_the_budget_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each direction of each tunnel holds bytes its reader does not take; past ``RELAY_PIPES`` a direction
+    waits in a buffer of at most COPY_BYTES, and every byte still arrives once the readers read."""
+    monkeypatch.setattr(relay, "RELAY_PIPES", 4)
+    monkeypatch.setattr(relay, "_pipes", relay._Pipes())
+
+    async def stall(sender: socket.socket) -> int:
+        sent, chunk = 0, b"s" * (1 << 16)
+        for _ in range(3):  # until neither the sockets nor the relay take more
+            try:
+                while True:
+                    sent += sender.send(chunk)
+            except BlockingIOError:
+                await asyncio.sleep(0.1)
+        return sent
+
+    async def drain(reader: socket.socket, size: int) -> None:
+        loop, got = asyncio.get_running_loop(), 0
+        while got < size:
+            data = await asyncio.wait_for(loop.sock_recv(reader, 1 << 20), 5)
+            assert data and set(data) <= {ord("s")}
+            got += len(data)
+
+    async def scenario() -> None:
+        tunnels = [pairs() for _ in range(6)]
+        relays = [Relay(client, upstream, Unlimited(), idle_timeout_s=30) for _, client, upstream, _ in tunnels]
+        running = [asyncio.ensure_future(r.run()) for r in relays]
+        before = open_pipes()
+        sent = await asyncio.gather(*(stall(end) for sandbox, _, _, destination in tunnels
+                                      for end in (sandbox, destination)))
+        assert open_pipes() - before == 2 * relay.RELAY_PIPES, "every direction stalled; only the counted pipes are held"
+        buffered = [len(d._buffer) for r in relays for d in (r._up, r._down)]
+        assert max(buffered) <= relay.COPY_BYTES and sum(1 for b in buffered if b) >= 12 - relay.RELAY_PIPES
+        await asyncio.gather(*(drain(end, size) for (sandbox, _, _, destination), pair in
+                               zip(tunnels, zip(sent[::2], sent[1::2]))
+                               for end, size in ((destination, pair[0]), (sandbox, pair[1]))))
+        for sandbox, client, upstream, destination in tunnels:
+            destination.close()
+            sandbox.close()
+        await asyncio.wait_for(asyncio.gather(*running), 5)
+        for _, client, upstream, _ in tunnels:
+            client.close()
+            upstream.close()
+
+    asyncio.run(scenario())
