@@ -36,6 +36,7 @@ class Walks(Generic[T]):
         self._next: dict[str, asyncio.Future[T]] = {}  # by user: the walk not yet started, shared by its askers
         self._last_start: dict[str, float] = {}
         self._last_took: dict[str, float] = {}
+        self._running: set[str] = set()  # users whose walk waits for the thread or runs: one each at most
 
     def next(self, user: str) -> asyncio.Future[T]:
         """The result of ``user``'s next walk, shared with everyone who asked since their last one started."""
@@ -52,13 +53,18 @@ class Walks(Generic[T]):
         return max(MIN_SPACING_S, self._last_took.get(user, 0.0) / WALK_SHARE)
 
     def _start(self, user: str) -> None:
+        loop = asyncio.get_running_loop()
+        if user in self._running:  # the thread is behind: never more than one walk of a user in its queue
+            loop.call_later(MIN_SPACING_S, self._start, user)
+            return
         future = self._next.pop(user)
         self._last_start[user] = time.monotonic()
         try:
-            walking = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, user)
+            walking = loop.run_in_executor(self._executor, self._timed, user)
         except RuntimeError:  # the executor was shut down: the daemon is stopping
             future.cancel()
             return
+        self._running.add(user)
         walking.add_done_callback(lambda walked: self._finish(user, walked, future))
 
     def _timed(self, user: str) -> T:
@@ -69,6 +75,7 @@ class Walks(Generic[T]):
             self._last_took[user] = time.monotonic() - started
 
     def _finish(self, user: str, walked: asyncio.Future[T], future: asyncio.Future[T]) -> None:
+        self._running.discard(user)
         if future.done():  # cancelled: the daemon is stopping
             pass
         elif walked.cancelled():

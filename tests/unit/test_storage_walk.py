@@ -166,3 +166,31 @@ def test_failed_calls_at_once_share_one_walk_a_second(tmp_path: Path) -> None:
     assert all(note is not None and "storage.quota_bytes" in note for note in notes)  # each had a fresh answer
     assert store.status()["walks"] <= int(took) + 2, (store.status()["walks"], took)  # not 60 walks
     store.close()
+
+
+def test_a_thread_behind_holds_at_most_one_walk_of_a_user() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandboxd.storage.walks import Walks
+
+    executor = ThreadPoolExecutor(1)
+    started: list[float] = []
+
+    def slow_walk(user: str) -> int:  # a walk far longer than the spacing (a huge tree, a slow disk)
+        started.append(time.monotonic())
+        time.sleep(4.0)  # the asks below end 1.5 s before it does
+        return len(started)
+
+    walks: Walks[int] = Walks(executor, slow_walk, lambda _user, _future: None)
+
+    async def main() -> list[int]:
+        asked = []
+        for _ in range(10):  # a call's end every 0.25 s while the first walk runs
+            asked.append(walks.next("a@x.io"))
+            await asyncio.sleep(0.25)
+        return list(await asyncio.gather(*asked))
+
+    results = asyncio.run(main())
+    executor.shutdown()
+    # The first walk, then one more shared by everyone who asked meanwhile: not one queued per second.
+    assert results == [1] + [2] * 9 and len(started) == 2, (results, len(started))
