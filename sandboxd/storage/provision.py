@@ -18,6 +18,7 @@ from typing import Any, Callable
 from sandboxd.config import AUTO_SANDBOX_ID, Config, email_db_path
 from sandboxd.errors import BackendUnavailable
 from sandboxd.logging import get_logger
+from sandboxd.sandbox.backend import CONTAINER_EMAIL_DIR, CONTAINER_USER
 from sandboxd.sandbox.mounts import R, W, X, grant_access
 from sandboxd.storage import btrfs, convert
 from sandboxd.users import check_user
@@ -25,6 +26,7 @@ from sandboxd.users import check_user
 log = get_logger("sandboxd.storage")
 
 HELPER_TIMEOUT_S = 10.0
+SANDBOX_PATHS = {"data": CONTAINER_USER, "email": CONTAINER_EMAIL_DIR}  # where each area's folder is in a sandbox
 _PROBE = "probe@example.invalid"
 
 

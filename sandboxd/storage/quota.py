@@ -29,7 +29,7 @@ from sandboxd.config import Config
 from sandboxd.errors import ConfigError, QuotaExceeded
 from sandboxd.logging import get_logger
 from sandboxd.storage import btrfs
-from sandboxd.storage.provision import Area, areas, ask_helper, hard_problem, provision_user
+from sandboxd.storage.provision import SANDBOX_PATHS, Area, areas, ask_helper, hard_problem, provision_user
 from sandboxd.storage.usage import Usage, measure
 from sandboxd.storage.walks import MIN_SPACING_S, Walks, users_on_disk
 
@@ -324,13 +324,25 @@ class Storage:
         else:
             what = (f"hold {usage.inodes}{'+' if not usage.complete else ''} files and folders, over their quota of "
                     f"{record.limit_inodes} (storage.quota_inodes)")
+        biggest = self._in_sandbox(user, usage.biggest)
+        named = ", ".join(f"{path} ({size_text(size)})" for path, size in biggest)
         return QuotaExceeded(
             f"{user}'s folders (/officer/user and /officer/data in a sandbox) {what}; new calls are refused until "
-            "they hold less. Delete files there (the operator: in DATA_PATH/<user> and the email folder), or raise "
-            "the quota (storage.users in the configuration).",
+            f"they hold less. Delete files there{'; the biggest: ' + named if named else ''}. The operator: "
+            f"`sandboxd storage free {user} {biggest[0][0] if biggest else 'PATH'}` (docs/install.md, 'Disk "
+            "quotas'), or raise the quota (storage.users in the configuration).",
             data={"user": user, "bytes": usage.bytes, "limitBytes": record.limit_bytes, "inodes": usage.inodes,
-                  "limitInodes": record.limit_inodes},
+                  "limitInodes": record.limit_inodes, "biggest": [{"path": p, "bytes": n} for p, n in biggest]},
         )
+
+    def _in_sandbox(self, user: str, entries: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
+        """Host paths of a user's entries as their sandboxes see them (/officer/user/..., /officer/data/...)."""
+        mounts = {str(area.folder(self.config, user)): SANDBOX_PATHS[area.name] for area in areas(self.config)}
+        shown = []
+        for path, size in entries:
+            folder, _, name = path.rpartition("/")
+            shown.append((f"{mounts[folder]}/{name}" if folder in mounts else path, size))
+        return shown
 
     async def note(self, user: str) -> str | None:
         """After a call that failed on a full disk: which quota it hit and how to free space; None if none is full."""

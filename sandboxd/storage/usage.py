@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_OPEN_DIRS = 32  # the walk's own descriptors, besides scandir's one
+BIGGEST = 3  # entries a soft-mode refusal names
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Removed or replaced by a file or a link since it was listed: nothing of it is left to count here.
 _GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
@@ -32,6 +33,8 @@ class Usage:
     inodes: int
     complete: bool  # False: the walk stopped at its bound, so both figures are lower bounds
     unreadable: str | None = None  # a path the walk could not read, and why: its content is unknown
+    # (path, bytes) of the entries right under the folders, most first: what a soft refusal names.
+    biggest: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
 @dataclass
@@ -55,21 +58,25 @@ def _close(level: _Dir) -> None:
 class _Walk:
     """One measurement: the counts so far, and the first thing it could not read."""
 
-    def __init__(self, max_inodes: int) -> None:
+    def __init__(self, max_inodes: int, biggest: int = BIGGEST) -> None:
         self.max_inodes = max_inodes
+        self.biggest = biggest
         self.bytes = self.inodes = 0
         self.seen: set[tuple[int, int]] = set()  # files with more than one link, counted once
         self.unreadable: str | None = None
         self.most_open = 0  # the most descriptors the walk held at once (the tests check the bound)
+        self.by_entry: dict[str, int] = {}  # bytes under each entry right below a measured folder
 
     @property
     def stopped(self) -> bool:
         return self.inodes > self.max_inodes or self.unreadable is not None
 
     def usage(self) -> Usage:
-        return Usage(self.bytes, self.inodes, not self.stopped, self.unreadable)
+        biggest = sorted(self.by_entry.items(), key=lambda item: -item[1])[:self.biggest]
+        return Usage(self.bytes, self.inodes, not self.stopped, self.unreadable, tuple(biggest))
 
-    def count(self, info: os.stat_result) -> None:
+    def count(self, info: os.stat_result, entry: str | None = None) -> None:
+        """Count one inode; ``entry``: the entry right below the measured folder that holds it."""
         if info.st_nlink > 1 and not stat.S_ISDIR(info.st_mode):
             key = _ident(info)
             if key in self.seen:
@@ -77,6 +84,8 @@ class _Walk:
             self.seen.add(key)
         self.bytes += info.st_blocks * 512
         self.inodes += 1
+        if entry is not None:
+            self.by_entry[entry] = self.by_entry.get(entry, 0) + info.st_blocks * 512
 
     def folder(self, folder: Path) -> None:
         """Count ``folder`` and everything under it (not there, or a link: nothing)."""
@@ -135,7 +144,8 @@ class _Walk:
                         if exc.errno in _GONE:
                             continue
                         raise
-                    self.count(info)
+                    # What a refusal names as the biggest: each entry right below the folder, with all under it.
+                    self.count(info, f"{stack[0].name}/{entry.name if len(stack) == 1 else stack[1].name}")
                     if stat.S_ISDIR(info.st_mode):
                         top.subdirs.append(entry.name)
                     if self.stopped:
@@ -181,10 +191,10 @@ def _path(stack: list[_Dir], name: str | None = None) -> str:
     return path if len(path) <= 300 else f"{path[:150]}...{path[-147:]}"
 
 
-def measure(folders: list[Path], max_inodes: int) -> Usage:
+def measure(folders: list[Path], max_inodes: int, *, biggest: int = BIGGEST) -> Usage:
     """Blocks and entries under ``folders`` (each counted with its own folder); stops past ``max_inodes``
     or at the first thing it cannot read (then ``unreadable`` names it)."""
-    walk = _Walk(max_inodes)
+    walk = _Walk(max_inodes, biggest)
     for folder in folders:
         if walk.stopped:
             break

@@ -178,7 +178,9 @@ def test_soft_quota_refuses_a_user_over_it_until_they_clean_up(make_daemon: Any,
             with pytest.raises(RpcError) as over:
                 wait_until(lambda: python(daemon, A, "print('hi')") and False, 15, "a refusal over quota_bytes")
             assert over.value.code == -32004, over.value
-            for words in ("12.0 MiB", "8.0 MiB", "storage.quota_bytes", "Delete files"):
+            # The biggest entries as the sandbox sees them, and the operator's command (issue 44, item 8).
+            for words in ("12.0 MiB", "8.0 MiB", "storage.quota_bytes", "Delete files", "the biggest: /officer/data/big (12.0 MiB)",
+                          f"`sandboxd storage free {A} /officer/data/big`"):
                 assert words in over.value.message, over.value.message
             assert ok(python(daemon, B, "print('served')")) == "served"  # other users are served
             row = _status(daemon)["storage"]["users"][A]

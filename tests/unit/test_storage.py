@@ -108,6 +108,29 @@ def test_soft_mode_refuses_a_user_over_quota_until_they_hold_less(tmp_path: Path
     store.close()
 
 
+def test_a_soft_refusal_names_the_biggest_entries_as_the_sandbox_sees_them_and_the_operators_command(
+        tmp_path: Path) -> None:
+    store = _storage(tmp_path, quota_bytes="1m", enforcement="soft")
+    store.resolve()
+    user = "bob@example.com"
+    (tmp_path / user / "cache" / "deep").mkdir(parents=True)
+    (tmp_path / user / "cache" / "deep" / "blob").write_bytes(b"c" * 3 * MIB)
+    (tmp_path / user / "notes.txt").write_bytes(b"n" * MIB)
+    (tmp_path / user / "small").write_bytes(b"s")
+    (tmp_path / "email" / user).mkdir(parents=True)
+    (tmp_path / "email" / user / "emails.db").write_bytes(b"e" * 2 * MIB)
+    os.sync()
+    store.measure_now(user)
+    refusal = store.refusal(user)
+    assert refusal is not None
+    assert [entry["path"] for entry in refusal.data["biggest"]] == \
+        ["/officer/user/cache", "/officer/data/emails.db", "/officer/user/notes.txt"]  # all below each, most first
+    assert refusal.data["biggest"][0]["bytes"] >= 3 * MIB
+    assert "the biggest: /officer/user/cache (3.0 MiB), /officer/data/emails.db (2.0 MiB)" in refusal.message
+    assert f"`sandboxd storage free {user} /officer/user/cache`" in refusal.message
+    store.close()
+
+
 def test_a_note_names_the_limit_a_failed_write_hit(tmp_path: Path) -> None:
     store = _storage(tmp_path, quota_bytes="2m", quota_inodes=100)
     store.resolve()
