@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             results["density"] = run_density(root / "density", run_id, args)
         if "neighbours" not in args.skip:
             say("noisy neighbours: a bystander beside eight users at the pool's limit, eight sandboxes downloading, "
-                "four flooding refused connections, and one user's four asking a dead resolver")
+                "four flooding refused connections, eight holding tunnels stalled both ways, and one user's four asking "
+                "a dead resolver")
             results["neighbours"] = noisy_neighbours(root / "neighbours", run_id, args.image)
         if "https" not in args.skip:
             requests = 200 if args.quick else 1000

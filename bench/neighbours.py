@@ -9,6 +9,9 @@ the reserve is 4) and the egress proxy allowed to reach a local source (bench/so
 - egress: eight sandboxes downloading from the source as fast as the policy lets them;
 - flood: four sandboxes opening refused CONNECTs in 24 loops each (refused by the policy
   before any connect: the destination is a private address);
+- stalled: two users' eight sandboxes each holding every tunnel they may (32) to an upstream
+  that never reads (bench/stalling.py), writing into each and never reading: every tunnel
+  stalled both ways, measured once nothing moves any more;
 - dns: on a daemon of its own in a loopback-only namespace whose resolver never answers
   (bench/dead_resolver.py), one user's four sandboxes asking for names in 4 loops each; the
   bystander's lookups of a name in that namespace's /etc/hosts are timed besides.
@@ -23,6 +26,7 @@ daemon's.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -33,21 +37,24 @@ from bench import daemon as d
 from bench.dead_resolver import DeadResolver, loopback_only_prefix
 from bench.load import daemon_call_line, process_cpu
 from bench.source import Source
+from bench.stalling import Stalling
 from bench.stats import summarize
 from bench.wire import LineSocket
 from bench.yardstick import Yardstick
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "tests" / "e2e" / "tools" / "egress_probe"  # its pump and flood modes
+STALLER = REPO / "tests" / "e2e" / "hostile" / "tunnel_staller"
 PINGS, CALLS = 2000, 1000
 SCENARIO_S = 10.0
 HOSTS_NAME = "bystander.test"  # in the dns daemon's /etc/hosts only: a private address, refused once resolved
 LOOKUPS, LOOKUPS_S = 200, 30.0  # the bystander's timed lookups, and the most time they may take (each 504 is 10 s)
 
 
-def config(image: str, source_port: int) -> str:
+def config(image: str, source_port: int, stalling_port: int) -> str:
     return (f"pool:\n  max_per_user: 4\n  max_total: 32\n  acquire_timeout_ms: 120000\n"
-            f"egress:\n  allow: ['127.0.0.1:{source_port}']\nsandbox:\n  image: {image}\n")
+            f"egress:\n  allow: ['127.0.0.1:{source_port}', '127.0.0.1:{stalling_port}']\n"
+            f"sandbox:\n  image: {image}\n")
 
 
 class _Background:
@@ -176,6 +183,47 @@ def refused_flood(daemon: d.BenchDaemon, run_id: str, bystander: str, yardstick:
         background.close()
 
 
+def _pipe_ends(pid: int) -> int:
+    ends = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            ends += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:")
+        except OSError:
+            pass  # closed meanwhile
+    return ends
+
+
+def _until_still(daemon: d.BenchDaemon, timeout: float = 90) -> float:
+    """Seconds until the daemon spends under 0.05 core for a second: every stalled tunnel holds what it
+    may (each sandbox fills its tunnels at its egress.rate_bytes first)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        cpu0 = process_cpu(daemon.pid)
+        time.sleep(1)
+        if process_cpu(daemon.pid) - cpu0 < 0.05:
+            return time.monotonic() - started
+    raise RuntimeError(f"the stalled tunnels still moved bytes after {timeout:g} s")
+
+
+def stalled_tunnels(daemon: d.BenchDaemon, run_id: str, bystander: str, stalling: Stalling,
+                    yardstick: Yardstick) -> dict[str, Any]:
+    stallers = [f"stall{i}-{run_id}@bench.example" for i in range(2)]
+    background = _Background(daemon)
+    rss0, pipes0 = d.process_rss_mb(daemon.pid), _pipe_ends(daemon.pid)
+    try:
+        for user in stallers:
+            for _ in range(4):  # 36 each: its 32 tunnels and 4 refusals
+                background.call(user, "tunnel_staller", {"target": f"127.0.0.1:{stalling.port}", "count": 36,
+                                                         "seconds": 150}, 200_000)
+        _wait(daemon, lambda p: _held(p, stallers) == 8, 120, "eight sandboxes opening tunnels")
+        fill_s = _until_still(daemon)
+        out = _bystander(daemon, bystander, yardstick)
+        return out | {"fill_s": fill_s, "pipe_ends": _pipe_ends(daemon.pid) - pipes0,
+                      "rss_growth_mb": d.process_rss_mb(daemon.pid) - rss0}
+    finally:
+        background.close()
+
+
 def _lookups(daemon: d.BenchDaemon, user: str) -> dict[str, Any]:
     """The bystander's warm calls one after another, each one CONNECT to HOSTS_NAME: their times, and
     how many were not the policy's refusal of the name's address (a lookup that timed out, say)."""
@@ -229,9 +277,10 @@ def dead_resolver(root: Path, run_id: str, image: str, yardstick: Yardstick) -> 
 
 def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
     bystander = f"bystander-{run_id}@bench.example"
-    with Source() as source, Yardstick() as yardstick:
-        daemon = d.BenchDaemon(root, config(image, source.port), fresh_tools=0)
+    with Source() as source, Stalling() as stalling, Yardstick() as yardstick:
+        daemon = d.BenchDaemon(root, config(image, source.port, stalling.port), fresh_tools=0)
         shutil.copytree(PROBE, daemon.data / "tools" / PROBE.name)
+        shutil.copytree(STALLER, daemon.data / "tools" / STALLER.name)
         shutil.copytree(REPO / "tests" / "e2e" / "tools" / "sleeper", daemon.data / "tools" / "sleeper")
         daemon.start()
         out: dict[str, Any] = {"pings": PINGS, "calls": CALLS}
@@ -241,7 +290,8 @@ def noisy_neighbours(root: Path, run_id: str, image: str) -> dict[str, Any]:
             conn.close()
             for name, scenario in (("pool", lambda: pool_at_its_limit(daemon, run_id, bystander, yardstick)),
                                    ("egress", lambda: egress_pumping(daemon, run_id, bystander, source, yardstick)),
-                                   ("flood", lambda: refused_flood(daemon, run_id, bystander, yardstick))):
+                                   ("flood", lambda: refused_flood(daemon, run_id, bystander, yardstick)),
+                                   ("stalled", lambda: stalled_tunnels(daemon, run_id, bystander, stalling, yardstick))):
                 daemon.settle(timeout=120)
                 out[f"{name}_quiet"] = _bystander(daemon, bystander, yardstick)
                 out[name] = scenario()

@@ -34,6 +34,7 @@ from tests.e2e.neighbours import Background, Pinger, Spent, percentile, warm_cal
 
 pytestmark = pytest.mark.docker
 
+REPO = Path(__file__).resolve().parents[2]
 PORT = 18098  # in the daemon's own network namespace, where nothing else listens
 MAX_TOTAL, MAX_CONNECTIONS = 12, 32
 # Ten sandboxes of the twelve: the bystander holds one, and the last is the reserve a newcomer's first call takes.
@@ -42,43 +43,6 @@ BYSTANDER, NEWCOMER = "bystander@example.com", "newcomer@example.com"
 HOLD_S = 60
 CONFIG = (f"pool:\n  max_total: {MAX_TOTAL}\n  max_per_user: 4\n  acquire_timeout_ms: 60000\n"
           f"egress:\n  allow: ['127.0.0.1:{PORT}']\n  max_connections: {MAX_CONNECTIONS}\n")
-
-# Accepts, never reads, and sends until each connection takes no more: an upstream stalled both ways.
-# Small socket buffers keep the kernel's share per tunnel small; the stall is the same.
-STALLING_SERVER = """
-import resource, selectors, socket, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000))
-chunk = b"z" * (256 << 10)
-listener = socket.socket()
-listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-    listener.setsockopt(socket.SOL_SOCKET, option, 64 << 10)
-listener.bind(("127.0.0.1", int(sys.argv[1])))
-listener.listen(4096)
-listener.setblocking(False)
-selector = selectors.DefaultSelector()
-selector.register(listener, selectors.EVENT_READ)
-print("listening", flush=True)
-while True:
-    for key, _ in selector.select():
-        if key.fileobj is listener:
-            try:
-                conn, _ = listener.accept()
-            except BlockingIOError:
-                continue
-            conn.setblocking(False)
-            selector.register(conn, selectors.EVENT_WRITE)
-            continue
-        try:
-            while key.fileobj.send(chunk):
-                pass
-        except BlockingIOError:
-            pass
-        except OSError:
-            selector.unregister(key.fileobj)
-            key.fileobj.close()
-"""
-
 
 def least_limit(config_path: Path) -> int:
     """The least RLIMIT_NOFILE start-up accepts for the configuration (FdBudget.plan's own figure)."""
@@ -167,8 +131,9 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
     daemon.start()
     assert daemon.proc is not None
     pid = daemon.proc.pid
-    server = subprocess.Popen(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", STALLING_SERVER,
-                               str(PORT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The upstream: never reads, sends until each connection takes no more (bench/stalling.py).
+    server = subprocess.Popen(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-m", "bench.stalling", str(PORT)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     stopper.append(server)
     assert server.stdout is not None and server.stdout.readline().strip() == "listening"
 
