@@ -17,8 +17,10 @@ PING = b'{"jsonrpc":"2.0","id":1,"method":"ping"}\n'
 
 
 def exchange_as(path: str, uid: int, gid: int | None = None, groups: tuple[int, ...] = (),
-                payload: bytes = PING, timeout: float = 20.0) -> list[dict[str, Any]]:
-    """Every JSON line the daemon sent before closing; raises if the child could not talk at all."""
+                payload: bytes = PING, timeout: float = 20.0, half_close: bool = True) -> list[dict[str, Any]]:
+    """Every JSON line the daemon sent before closing; raises if the child could not talk at all.
+
+    ``half_close=False``: the child keeps its side open after the payload, as a peer that stalls would."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's code
@@ -33,7 +35,8 @@ def exchange_as(path: str, uid: int, gid: int | None = None, groups: tuple[int, 
             sock.connect(path)
             try:
                 sock.sendall(payload)
-                sock.shutdown(socket.SHUT_WR)
+                if half_close:
+                    sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass  # a refused peer may be gone before we finish; its answer is still buffered
             received = b""

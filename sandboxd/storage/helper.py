@@ -5,8 +5,11 @@ short instance per connection, with the connection as its stdin, and CAP_SYS_ADM
 and CAP_CHOWN (the new folders go to the daemon) as its only capabilities. The request is a
 user NAME, checked like the daemon checks it; the paths come from the configuration this
 helper reads itself, never from the request, and are opened without following links
-(storage/provision.py, provision_user). Only the daemon's uid is served (SO_PEERCRED); the limits
-are the configuration's, not the caller's.
+(storage/provision.py, provision_user). Only the daemon's uid (``--daemon-user``) is served: the
+peer's uid (SO_PEERCRED) is checked before a byte is read, and any other is refused at once.
+The daemon's request line must arrive within READ_DEADLINE_S, trickled bytes or not, so a
+silent peer cannot hold an instance (systemd allows 8 at once). The limits are the
+configuration's, not the caller's; the configuration is read only once a request is in.
 
 Protocol: one JSON line in, one out. ``{"op": "check"}`` → ``{"ok": true}``;
 ``{"op": "provision", "user": "alice@example.com"}`` → ``{"ok": true, "areas": {...}}``;
@@ -21,16 +24,19 @@ import pwd
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sandboxd.config import Config, load_config
-from sandboxd.errors import ConfigError, InvalidParams
-from sandboxd.storage.provision import provision_user
-from sandboxd.users import check_user
+if TYPE_CHECKING:
+    from sandboxd.config import Config
 
 MAX_REQUEST = 4096
-READ_TIMEOUT_S = 5.0
+# For the whole line: the daemon sends it as it connects, and an instance that waits longer holds
+# one of the socket's 8 for a peer that may never send.
+READ_DEADLINE_S = 0.5
+
+Answer = dict[str, Any]
 
 
 def peer(sock: socket.socket) -> tuple[int, int, int]:
@@ -40,10 +46,17 @@ def peer(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def not_the_daemon(peer_uid: int, daemon_uid: int) -> Answer | None:
+    if peer_uid == daemon_uid:
+        return None
+    return {"error": f"uid {peer_uid} is not the sandboxd daemon's (uid {daemon_uid}); refused"}
+
+
 def handle(line: bytes, peer_uid: int, peer_gid: int, *, daemon_uid: int, config: Config) -> dict[str, Any]:
     """The answer to one request line from a peer with ``peer_uid``; only ``daemon_uid`` is served."""
-    if peer_uid != daemon_uid:
-        return {"error": f"uid {peer_uid} is not the sandboxd daemon's (uid {daemon_uid}); refused"}
+    refused = not_the_daemon(peer_uid, daemon_uid)
+    if refused is not None:
+        return refused
     try:
         request = json.loads(line)
     except ValueError:
@@ -55,7 +68,14 @@ def handle(line: bytes, peer_uid: int, peer_gid: int, *, daemon_uid: int, config
         return {"ok": True}
     if op != "provision":
         return {"error": f"unknown op {op!r}; the ops are check and provision"}
-    name = request.get("user")
+    return _provision(request.get("user"), peer_uid, peer_gid, config)
+
+
+def _provision(name: Any, peer_uid: int, peer_gid: int, config: Config) -> Answer:
+    from sandboxd.errors import InvalidParams
+    from sandboxd.storage.provision import provision_user
+    from sandboxd.users import check_user
+
     try:
         user = check_user(name)
     except InvalidParams as exc:
@@ -69,23 +89,48 @@ def handle(line: bytes, peer_uid: int, peer_gid: int, *, daemon_uid: int, config
     return {"ok": True, "areas": areas}
 
 
-def serve_connection(sock: socket.socket, *, daemon_uid: int, config: Config) -> None:
-    _pid, uid, gid = peer(sock)
-    sock.settimeout(READ_TIMEOUT_S)
+def read_request(sock: socket.socket) -> bytes | Answer:
+    """The request line, read within READ_DEADLINE_S for the whole of it, or the answer that refuses it."""
+    deadline = time.monotonic() + READ_DEADLINE_S
     data = b""
     try:
         while b"\n" not in data and len(data) <= MAX_REQUEST:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
             chunk = sock.recv(MAX_REQUEST)
             if not chunk:
                 break
             data += chunk
     except TimeoutError:
-        return
+        return {"error": f"no whole request line within {READ_DEADLINE_S:g} s; refused"}
     if len(data) > MAX_REQUEST:
-        answer: dict[str, Any] = {"error": f"the request is longer than {MAX_REQUEST} bytes"}
-    else:
-        answer = handle(data.split(b"\n", 1)[0], uid, gid, daemon_uid=daemon_uid, config=config)
-    sock.sendall(json.dumps(answer).encode() + b"\n")
+        return {"error": f"the request is longer than {MAX_REQUEST} bytes"}
+    return data.split(b"\n", 1)[0]
+
+
+def receive(sock: socket.socket, daemon_uid: int) -> tuple[bytes, int, int] | Answer:
+    """(line, uid, gid) of the daemon's request, or the answer that ends the connection; a stranger's is never read."""
+    _pid, uid, gid = peer(sock)
+    refused = not_the_daemon(uid, daemon_uid)
+    if refused is not None:
+        return refused
+    line = read_request(sock)
+    return line if isinstance(line, dict) else (line, uid, gid)
+
+
+def reply(sock: socket.socket, answer: Answer) -> None:
+    sock.settimeout(READ_DEADLINE_S)  # one short line: a peer that does not read loses it, and holds nothing
+    try:
+        sock.sendall(json.dumps(answer).encode() + b"\n")
+    except OSError:
+        pass  # the peer is gone
+
+
+def serve_connection(sock: socket.socket, *, daemon_uid: int, config: Config) -> None:
+    got = receive(sock, daemon_uid)
+    reply(sock, got if isinstance(got, dict) else handle(*got, daemon_uid=daemon_uid, config=config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,14 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemon-user", default="sandboxd", help="the account sandboxd runs as; only it is served")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
         daemon_uid = pwd.getpwnam(args.daemon_user).pw_uid
-    except (ConfigError, KeyError) as exc:
-        print(f"sandboxd-quota: {exc}", file=sys.stderr)
+    except KeyError:
+        print(f"sandboxd-quota: --daemon-user {args.daemon_user!r} is not a user here; give the account "
+              "sandboxd.service runs as (User=)", file=sys.stderr)
         return 2
-    # Accept=yes: the accepted connection is stdin.
+    # Accept=yes: the accepted connection is stdin. The peer is checked, and its line read, before the
+    # configuration is: a refusal costs no import of it.
     with socket.socket(fileno=sys.stdin.fileno()) as sock:
-        serve_connection(sock, daemon_uid=daemon_uid, config=config)
+        got = receive(sock, daemon_uid)
+        if isinstance(got, dict):
+            reply(sock, got)
+            return 0
+        from sandboxd.config import load_config
+        from sandboxd.errors import ConfigError
+
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            print(f"sandboxd-quota: {exc}", file=sys.stderr)
+            reply(sock, {"error": f"the quota helper cannot read sandboxd's configuration: {exc}"})
+            return 2
+        reply(sock, handle(*got, daemon_uid=daemon_uid, config=config))
     return 0
 
 

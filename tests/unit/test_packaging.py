@@ -46,7 +46,10 @@ def test_the_quota_helper_is_installed_with_only_the_capabilities_it_needs() -> 
     assert helper["CapabilityBoundingSet"].split() == ["CAP_SYS_ADMIN", "CAP_CHOWN", "CAP_DAC_OVERRIDE"]
     assert helper["StandardInput"] == "socket" and helper["PrivateNetwork"] == "yes"
     socket_unit = unit("sandboxd-quota.socket")["Socket"]
-    assert socket_unit["Accept"] == "yes" and socket_unit["SocketMode"] == "0660"
+    assert socket_unit["Accept"] == "yes" and socket_unit["SocketMode"] == "0600"
+    # Only the daemon's account may connect, and the helper serves that one (SO_PEERCRED): the same in all three.
+    daemon_user = unit("sandboxd.service")["Service"]["User"]
+    assert socket_unit["SocketUser"] == daemon_user and helper["ExecStart"].endswith(f"--daemon-user {daemon_user}")
     assert socket_unit["ListenStream"] == str(load_config(environ={}).storage.helper_socket)
 
 

@@ -7,6 +7,8 @@ import os
 import socket
 import struct
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,39 @@ def test_one_request_one_answer_over_a_socket_with_the_peers_credentials(tmp_pat
         theirs.sendall(b"x" * 5000)  # no newline within the bound: refused, not read for ever
         serve_connection(ours, daemon_uid=ME, config=_config(tmp_path))
         assert "longer than" in json.loads(theirs.recv(4096))["error"]
+
+
+
+def test_a_stranger_is_refused_before_a_byte_of_its_request_is_read(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b'{"op": "check"}\n')
+        serve_connection(ours, daemon_uid=ME + 1, config=_config(tmp_path))
+        assert "is not the sandboxd daemon's" in json.loads(theirs.recv(4096))["error"]
+        assert ours.recv(4096, socket.MSG_DONTWAIT) == b'{"op": "check"}\n'  # still there: never read
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_peer_that_sends_no_whole_line_is_answered_within_a_second(tmp_path: Path, trickle: bool) -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        stop = threading.Event()
+
+        def drip() -> None:  # a byte every 0.1 s for 3 s: each one must not start the wait again
+            for _ in range(30 if trickle else 0):
+                if stop.wait(0.1):
+                    return
+                theirs.send(b"{")
+
+        dripping = threading.Thread(target=drip)
+        dripping.start()
+        started = time.monotonic()
+        serve_connection(ours, daemon_uid=ME, config=_config(tmp_path))
+        took = time.monotonic() - started
+        stop.set()
+        dripping.join()
+        assert took < 1.0, f"the helper waited {took:.1f} s for a line that never came"
+        assert "no whole request line within" in json.loads(theirs.recv(4096).split(b"\n")[0])["error"]
 
 
 BTRFS_PROBLEM = loop_devices_usable("btrfs")
