@@ -83,8 +83,9 @@ def timed(path: str, uid: int, payload: bytes) -> tuple[list[dict[str, Any]], fl
 
 def test_a_stranger_is_refused_at_once_and_a_silent_daemon_is_answered_within_a_second(
         helper: SocketActivated) -> None:
-    """Issue 44, item 10: a group member that connected and sent nothing held an instance 5.3 s (a trickle
-    of bytes, 4 KiB at a byte each 0.1 s, 410 s); the uid was checked only once the line was in."""
+    """Issue 44, item 10: a group member that connected and sent nothing held an instance 5.3 s, and one that
+    sent a byte each 0.1 s held it until the unit's RuntimeMaxSec (30 s; 410 s without it): the uid was
+    checked only once the line was in."""
     served, prompt = timed(helper.path, DAEMON_UID, CHECK)  # the baseline: the daemon's own request
     assert served == [{"ok": True}], helper.log.read_text()
     refused, stranger_took = timed(helper.path, STRANGER_UID, b"")
