@@ -28,8 +28,8 @@ import pytest
 from sandboxd.config import load_config
 from sandboxd.errors import ConfigError
 from sandboxd.service.fds import RELAY_PIPE_FDS, FdBudget
-from tests.e2e.hostile_harness import HOSTILE_TOOLS
 from tests.e2e.conftest import Daemon
+from tests.e2e.hostile_harness import HOSTILE_TOOLS
 from tests.e2e.neighbours import Background, Pinger, Spent, percentile, warm_call_seconds
 
 pytestmark = pytest.mark.docker
@@ -43,6 +43,7 @@ BYSTANDER, NEWCOMER = "bystander@example.com", "newcomer@example.com"
 HOLD_S = 60
 CONFIG = (f"pool:\n  max_total: {MAX_TOTAL}\n  max_per_user: 4\n  acquire_timeout_ms: 60000\n"
           f"egress:\n  allow: ['127.0.0.1:{PORT}']\n  max_connections: {MAX_CONNECTIONS}\n")
+
 
 def least_limit(config_path: Path) -> int:
     """The least RLIMIT_NOFILE start-up accepts for the configuration (FdBudget.plan's own figure)."""
