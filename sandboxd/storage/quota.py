@@ -90,6 +90,7 @@ class Storage:
         self.walks = 0  # of users' folders (sandbox/status: storage.walks), each user's at most one a second
         self._usage: dict[str, UserUsage] = {}
         self._provisioned: dict[str, dict[str, str]] = {}
+        self._provisioning: dict[str, threading.Lock] = {}  # one per user provisioned
         self._lock = threading.Lock()
         self._via_helper = False
         # One thread: measuring never takes more than one core's share, and never the event loop.
@@ -180,7 +181,7 @@ class Storage:
         on failure. Once per daemon run, again if a folder was replaced meanwhile."""
         if not self.hard or (user in self._provisioned and self._still_limited(user)):
             return
-        with self._lock:
+        with self._provision_lock(user):  # per user: one's folder converting (a copy) holds up no one else
             if user in self._provisioned and self._still_limited(user):
                 return
             if self._via_helper:
@@ -194,6 +195,10 @@ class Storage:
             else:
                 done = provision_user(self.config, user, (os.getuid(), os.getgid()))
             self._provisioned[user] = done
+
+    def _provision_lock(self, user: str) -> threading.Lock:
+        with self._lock:
+            return self._provisioning.setdefault(user, threading.Lock())
 
     def _still_limited(self, user: str) -> bool:
         """False when a folder under the quota is gone or is no longer a subvolume (an operator removed or

@@ -73,3 +73,56 @@ def test_files_are_bounded_by_the_byte_quota_through_their_metadata(tmp_path: Pa
         assert stopped == errno.EDQUOT
         # 186,136 empty files in 64 MiB measured (docs/config.md): about 360 bytes of metadata each.
         assert 4 * MIB // 1024 <= made <= 4 * MIB // 256, made
+
+
+def test_a_folder_an_operator_replaces_by_a_plain_one_while_the_daemon_runs_is_converted_at_the_next_sandbox(
+        tmp_path: Path) -> None:
+    from sandboxd.storage.quota import Storage
+
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data:
+        store = Storage(load_config(environ={}, overrides={"data_path": data, "storage": {"enforcement": "hard"}}))
+        store.resolve()
+        store.provision("r@x.io")
+        user = data / "r@x.io"
+        assert os.stat(user).st_ino == btrfs.SUBVOLUME_ROOT_INO
+        subprocess.run(["btrfs", "subvolume", "delete", str(user)], check=True, capture_output=True)
+        (user / "tools" / "mine").mkdir(parents=True)  # the operator's mkdir -p and a copied tool
+        (user / "tools" / "mine" / "TOOL.md").write_text("mine")
+        store.provision("r@x.io")  # the next sandbox's start
+        assert os.stat(user).st_ino == btrfs.SUBVOLUME_ROOT_INO
+        assert (user / "tools" / "mine" / "TOOL.md").read_text() == "mine"
+        store.close()
+
+
+def test_one_users_conversion_holds_up_no_other_users_provisioning(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from sandboxd.storage import convert, quota
+
+    with loop_filesystem(tmp_path / "data", "btrfs", 256) as data:
+        store = quota.Storage(load_config(environ={}, overrides={"data_path": data,
+                                                                 "storage": {"enforcement": "hard"}}))
+        store.resolve()
+        (data / "slow@x.io").mkdir()
+        copying, release = threading.Event(), threading.Event()
+        real = convert._copy_folder
+
+        def slow_copy(*args: object) -> None:
+            copying.set()
+            release.wait(30)
+            real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(convert, "_copy_folder", slow_copy)
+        slow = threading.Thread(target=store.provision, args=("slow@x.io",))
+        slow.start()
+        assert copying.wait(10)
+        other = threading.Thread(target=store.provision, args=("quick@x.io",))
+        other.start()
+        other.join(10)
+        done_meanwhile = not other.is_alive()
+        release.set()
+        slow.join(30)
+        assert done_meanwhile, "another user's first sandbox waited for one user's conversion"
+        assert os.stat(data / "slow@x.io").st_ino == btrfs.SUBVOLUME_ROOT_INO
+        store.close()
