@@ -186,3 +186,40 @@ def test_a_hard_quota_user_past_quota_inodes_is_served_and_deletes_their_files(m
 def _inodes(daemon: Daemon, user: str) -> int:
     row = _status(daemon)["users"].get(user)
     return int(row["inodes"]) if row else 0
+
+
+def test_a_conversion_longer_than_a_sandbox_start_fails_that_call_and_a_later_one_is_served(
+        make_daemon: Any, tmp_path: Path) -> None:
+    """The copy runs on after the start timed out; the next start waits for it, then mounts the subvolume."""
+    with loop_filesystem(tmp_path / "d0" / "data", "btrfs", 1536):
+        daemon = make_daemon("pool:\n  max_per_user: 1\n  min_idle: 0\n  start_timeout_ms: 1000\n"
+                             "storage:\n  enforcement: hard\n  quota_bytes: 1g\n", start=False)
+        write_tool(daemon.data / "tools", "fill", FILL, inputs=FILL_INPUTS)
+        big = daemon.data / MADE
+        big.mkdir(mode=0o700)
+        with open(big / "blob", "wb") as blob:
+            for _ in range(400):
+                blob.write(os.urandom(MIB))
+        os.sync()
+        daemon.start()
+        try:
+            first: dict[str, Any] | Exception
+            try:
+                first = _call(daemon, MADE, "fill", {"file": "f", "mib": 1})
+            except Exception as exc:  # the start timed out while the copy ran
+                first = exc
+            served = wait_until(lambda: _served(daemon), 120, "a call served once the copy ended")
+            assert isinstance(first, Exception) and "did not start within" in str(first), \
+                f"the premise: a copy longer than the start's 1 s ({first})"
+            assert served == "wrote 1 MiB", served
+            assert _is_subvolume(big) and os.path.getsize(big / "blob") == 400 * MIB
+        finally:
+            daemon.stop()
+
+
+def _served(daemon: Daemon) -> str | None:
+    try:
+        result = _call(daemon, MADE, "fill", {"file": "f", "mib": 1})
+    except Exception:
+        return None
+    return _message(result) if not result["isError"] else None
