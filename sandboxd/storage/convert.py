@@ -136,8 +136,17 @@ def _copy_entry(src: int, dst: int, name: str, info: os.stat_result, where: str,
 
 
 def _copy_subfolder(src: int, dst: int, name: str, where: str, copy: _Copy, depth: int) -> None:
-    os.mkdir(name, 0o700, dir_fd=dst)
-    sub_src = os.open(name, _DIR_FLAGS, dir_fd=src)
+    try:
+        sub_src = os.open(name, _DIR_FLAGS, dir_fd=src)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # swapped for a link or a file meanwhile
+            return
+        raise
+    try:
+        os.mkdir(name, 0o700, dir_fd=dst)
+    except BaseException:
+        os.close(sub_src)
+        raise
     try:
         sub_dst = os.open(name, _DIR_FLAGS, dir_fd=dst)
         try:

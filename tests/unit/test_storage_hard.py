@@ -126,3 +126,27 @@ def test_one_users_conversion_holds_up_no_other_users_provisioning(tmp_path: Pat
         assert done_meanwhile, "another user's first sandbox waited for one user's conversion"
         assert os.stat(data / "slow@x.io").st_ino == btrfs.SUBVOLUME_ROOT_INO
         store.close()
+
+
+def test_an_entry_swapped_for_a_link_during_the_copy_is_left_out_never_followed(tmp_path: Path) -> None:
+    """What a sandbox racing the copy can do: a folder listed as one, a link by the time it is opened."""
+    from sandboxd.storage import convert
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_text("not the user's")
+    listed_as_folder = os.stat(tmp_path / "outside")
+    os.symlink(tmp_path / "outside", src / "d")  # swapped in after the listing
+    (src / "f").mkdir()
+    listed_as_file = os.stat(tmp_path / "outside" / "secret")
+    src_fd, dst_fd = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDONLY)
+    try:
+        copy = convert._Copy(dst_fd)
+        convert._copy_entry(src_fd, dst_fd, "d", listed_as_folder, "d", copy, 0)
+        convert._copy_entry(src_fd, dst_fd, "f", listed_as_file, "f", copy, 0)  # a file then, a folder now
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    assert os.listdir(dst) == []
