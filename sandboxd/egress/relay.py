@@ -19,7 +19,8 @@ through a buffer of at most ``COPY_BYTES`` instead, as it does where splice is n
 Budgets: every byte moved, both ways, is spent from the sandbox's ``Budget``; a wakeup
 costs at least ``MIN_COST`` of it, so a tool sending in tiny pieces cannot turn its rate
 into a flood of wakeups. Backpressure is the kernel's: a direction reads no more while it
-holds bytes the other socket does not take yet.
+holds bytes the other socket does not take yet. An upstream socket lets at most
+``UNSENT_BYTES`` wait unsent (egress/session.py sets it where it connects).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from sandboxd.service.fds import RELAY_PIPES
 PIPE_BYTES = 256 << 10
 MIN_PIPE_BYTES = 64 << 10  # less than this (the user's pipe limits reached) and a buffer does better
 COPY_BYTES = 64 << 10  # read at once without a pipe: what a stalled direction holds in memory, at most
+# What may wait unsent in an upstream socket (TCP_NOTSENT_LOWAT): for an upstream that never reads, the
+# kernel would otherwise queue up to tcp_wmem's most (4 MiB) per tunnel; bytes in flight are not limited.
+UNSENT_BYTES = 128 << 10
 WAKEUP_BYTES = 1 << 20  # then other connections' turn: the socket is still readable, the loop comes back
 MIN_COST = 16 << 10  # what a wakeup costs of the budget, however little it moved
 MIN_PAUSE_S = 0.01

@@ -16,7 +16,7 @@ from sandboxd.egress.grants import GRANT_ENDED
 from sandboxd.egress.http1 import Malformed, RequestReader
 from sandboxd.egress.pacing import Debt, Share, Shares
 from sandboxd.egress.policy import AllowEntry, EgressPolicy, IPAddress, Verdict, parse_address
-from sandboxd.egress.relay import Relay
+from sandboxd.egress.relay import UNSENT_BYTES, Relay
 from sandboxd.egress.request import (HEAD_TIMEOUT_S, NoRequest, Refused, parse_request, read_head, refusal_message,
                                      reply)
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host
@@ -411,6 +411,7 @@ async def _connect(addresses: list[IPAddress], port: int, timeout_ms: int) -> tu
                 try:
                     sock.setblocking(False)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as asyncio's own transports do
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES)
                     await loop.sock_connect(sock, (str(address), port))
                     return sock, address
                 except OSError as exc:

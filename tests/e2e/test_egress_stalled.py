@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import pytest
 
 from sandboxd.config import load_config
+from sandboxd.egress.relay import UNSENT_BYTES
 from sandboxd.errors import ConfigError
 from sandboxd.service.fds import RELAY_PIPE_FDS, FdBudget
 from tests.e2e.conftest import Daemon
@@ -101,6 +102,14 @@ def _until_stalled(daemon: Daemon, timeout: float = 60) -> float:
     raise AssertionError(f"the tunnels did not stall within {timeout:g} s: the daemon still moves bytes")
 
 
+def _queued_upstream(pid: int) -> int:
+    """Bytes the daemon's sockets to the upstream hold unacknowledged (Send-Q): what its kernel queues
+    for an upstream that never reads."""
+    out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ss", "-tnH", "state", "established",
+                          f"( dport = :{PORT} )"], capture_output=True, text=True, check=True).stdout
+    return sum(int(line.split()[1]) for line in out.splitlines() if line.strip())
+
+
 class Peak:
     """The most descriptors and pipe ends the daemon held, sampled every 0.1 s until ``stop``."""
 
@@ -156,7 +165,7 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
         filled_s = _until_stalled(daemon)
         with Spent(daemon) as stalled:  # what the stalled tunnels alone cost the daemon
             time.sleep(3)
-        rss_mib = _rss_mib(pid)
+        rss_mib, queued = _rss_mib(pid), _queued_upstream(pid)
         with Pinger(daemon) as loaded_machine:
             loaded = warm_call_seconds(daemon, BYSTANDER, 200)
         with daemon.client() as client:
@@ -172,7 +181,7 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
     machine_ms = max(0.0, loaded_machine.yardstick_p50_ms() - quiet_machine.yardstick_p50_ms())
     print(f"limit {limit}; tunnels allowed {tunnels}; peak {peak.fds} descriptors, {peak.pipes} pipe ends "
           f"({quiet_pipes} quiet); filled in {filled_s:.1f} s, then {stalled.cores:.3f} cores; RSS {quiet_rss_mib:.0f} -> "
-          f"{rss_mib:.0f} MiB; bystander's warm call p50 "
+          f"{rss_mib:.0f} MiB; {queued / (1 << 20):.0f} MiB queued to the upstream; bystander's warm call p50 "
           f"{quiet_ms:.2f} -> {loaded_ms:.2f} ms (machine +{machine_ms:.2f} ms); "
           f"stallers {[o.result['content'][0]['text'] if o.result else o.error for o in stalls][:2]}")
     log = daemon.log_path.read_text(errors="replace")
@@ -185,3 +194,5 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
         f"the bystander's warm call went from {quiet_ms:.2f} to {loaded_ms:.2f} ms (the machine: +{machine_ms:.2f} ms)"
     assert peak.fds < limit, f"{peak.fds} descriptors open at the peak, of {limit}"
     assert peak.pipes - quiet_pipes <= RELAY_PIPE_FDS, f"{peak.pipes} pipe ends open at the peak ({quiet_pipes} quiet)"
+    # Each tunnel's unsent bytes stop at UNSENT_BYTES (and one write past it); before, tcp_wmem's 4 MiB each.
+    assert queued <= tunnels * 2 * UNSENT_BYTES, f"{queued >> 20} MiB queued for the upstream by {tunnels} tunnels"
