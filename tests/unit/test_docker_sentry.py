@@ -1,0 +1,126 @@
+"""A condemned gVisor sandbox's removal: its Sentry SIGKILLed on the host first, and only a process of
+that container's; a removal the engine gave up on ("did not receive an exit event") retried once the
+exit came, not left for the next start. tests/e2e/test_kill.py shows the kill landing under runsc."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any, Iterator
+
+import docker.errors
+import pytest
+
+from sandboxd.config import SandboxConfig
+from sandboxd.sandbox.docker import backend as backend_module
+from sandboxd.sandbox.docker import sentry
+from sandboxd.sandbox.docker.backend import KILL_GAVE_UP, DockerBackend
+from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry
+
+CONTAINER = "c0ffee" * 10 + "abcd"
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(["sleep", "60"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_process_outside_the_containers_cgroup_is_not_signalled(sleeper: subprocess.Popen[bytes]) -> None:
+    assert kill_sentry(sleeper.pid, CONTAINER) is Outcome.NOT_ITS
+    assert sleeper.poll() is None
+
+
+def test_the_containers_own_process_is_killed(sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sentry, "in_container_cgroup", lambda pid, cid: (pid, cid) == (sleeper.pid, CONTAINER))
+    assert kill_sentry(sleeper.pid, CONTAINER) is Outcome.KILLED
+    assert sleeper.wait(5) == -9
+
+
+def test_a_process_that_has_exited_is_gone() -> None:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    assert kill_sentry(done.pid, CONTAINER) is Outcome.GONE
+
+
+class Engine:
+    """The few calls a removal makes, recorded; ``gives_up``: removals that fail as Docker's do when
+    its own SIGKILL's exit did not come within 2 s."""
+
+    def __init__(self, *, pid: int = 0, gives_up: int = 0) -> None:
+        self.pid = pid
+        self.gives_up = gives_up
+        self.calls: list[str] = []
+
+    def inspect_container(self, container_id: str) -> dict[str, Any]:
+        self.calls.append("inspect")
+        return {"State": {"Running": self.pid > 0, "Pid": self.pid}}
+
+    def update_container(self, container_id: str, **kwargs: Any) -> None:
+        self.calls.append("update")
+
+    def wait(self, container_id: str, timeout: float) -> dict[str, Any]:
+        self.calls.append("wait")
+        return {"StatusCode": 137}
+
+    def remove_container(self, container_id: str, **kwargs: Any) -> None:
+        self.calls.append("remove")
+        if self.gives_up:
+            self.gives_up -= 1
+            raise docker.errors.APIError("500 Server Error", explanation=(
+                f"Could not kill running container {container_id}, cannot remove - tried to kill container, "
+                f"but {KILL_GAVE_UP}"))
+
+
+def backend_on(engine: Engine, *, gvisor: bool) -> DockerBackend:
+    backend = DockerBackend(SandboxConfig(), instance="test", max_line_bytes=1 << 20)
+    backend._api = engine  # type: ignore[assignment]
+    backend._gvisor = gvisor
+    return backend
+
+
+def test_under_gvisor_the_sentry_is_killed_and_its_exit_awaited_before_the_removal(
+        sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sentry, "in_container_cgroup", lambda pid, cid: pid == sleeper.pid)
+    engine = Engine(pid=sleeper.pid)
+    backend_on(engine, gvisor=True)._remove(CONTAINER)
+    assert sleeper.wait(5) == -9
+    assert engine.calls == ["inspect", "wait", "remove"]
+
+
+def test_under_gvisor_a_sentry_it_may_not_signal_is_left_to_the_engine_and_said_once(
+        sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sentry, "in_container_cgroup", lambda pid, cid: True)
+
+    def refuse(pidfd: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(sentry.signal, "pidfd_send_signal", refuse)
+    warnings: list[dict[str, Any]] = []
+    monkeypatch.setattr(backend_module.log, "warning", lambda event, **fields: warnings.append({"event": event, **fields}))
+    engine = Engine(pid=sleeper.pid)
+    backend = backend_on(engine, gvisor=True)
+    backend._remove(CONTAINER)
+    backend._remove(CONTAINER)
+    assert sleeper.poll() is None
+    assert engine.calls == ["inspect", "remove", "inspect", "remove"]
+    assert [w["event"] for w in warnings] == ["sandbox_killed_through_gvisor"]
+    assert warnings[0]["reason"] == "not_permitted" and "CAP_KILL" in warnings[0]["fix"]
+
+
+@pytest.mark.parametrize("gvisor", [False, True])
+def test_a_removal_the_engine_gave_up_on_is_retried_once_the_exit_came(gvisor: bool) -> None:
+    engine = Engine(gives_up=1)
+    backend_on(engine, gvisor=gvisor)._remove(CONTAINER)
+    first = "inspect" if gvisor else "update"
+    assert engine.calls == [first, "remove", "wait", "remove"]
+
+
+def test_another_refusal_of_the_removal_is_raised_as_before() -> None:
+    class Refusing(Engine):
+        def remove_container(self, container_id: str, **kwargs: Any) -> None:
+            raise docker.errors.APIError("500 Server Error", explanation="driver failed removing the root filesystem")
+
+    with pytest.raises(docker.errors.APIError):
+        backend_on(Refusing(), gvisor=True)._remove(CONTAINER)
