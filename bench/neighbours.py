@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -193,6 +194,14 @@ def _pipe_ends(pid: int) -> int:
     return ends
 
 
+def _queued_to(port: int) -> int:
+    """Bytes the sockets to 127.0.0.1:``port`` hold unacknowledged (ss's Send-Q): the daemon's, to an upstream
+    that never reads (bench/stalling.py sets its own buffers small and never reads, so its Send-Q is small)."""
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( dport = :{port} )"], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(int(line.split()[1]) for line in out.splitlines() if line.strip())
+
+
 def _until_still(daemon: d.BenchDaemon, timeout: float = 90) -> float:
     """Seconds until the daemon spends under 0.05 core for a second: every stalled tunnel holds what it
     may (each sandbox fills its tunnels at its egress.rate_bytes first)."""
@@ -219,7 +228,8 @@ def stalled_tunnels(daemon: d.BenchDaemon, run_id: str, bystander: str, stalling
         fill_s = _until_still(daemon)
         out = _bystander(daemon, bystander, yardstick)
         return out | {"fill_s": fill_s, "pipe_ends": _pipe_ends(daemon.pid) - pipes0,
-                      "rss_growth_mb": d.process_rss_mb(daemon.pid) - rss0}
+                      "rss_growth_mb": d.process_rss_mb(daemon.pid) - rss0,
+                      "queued_mib": _queued_to(stalling.port) / (1 << 20)}
     finally:
         background.close()
 

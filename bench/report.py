@@ -355,7 +355,8 @@ def _neighbour_rows(n: dict[str, Any]) -> list[tuple[str, str, str, str, str, st
                  "egress": f"{loaded.get('egress_mib_s', 0):.0f} MiB/s moved",
                  "flood": "", "dns": "",
                  "stalled": f"filled in {loaded.get('fill_s', 0):.0f} s; {loaded.get('pipe_ends', 0)} pipe ends held, "
-                            f"daemon memory +{loaded.get('rss_growth_mb', 0):.0f} MB"}[name]
+                            f"daemon memory +{loaded.get('rss_growth_mb', 0):.0f} MB, "
+                            f"{loaded.get('queued_mib', 0):.0f} MiB queued for the upstream"}[name]
         out.append(("… the daemon's CPU for the neighbours alone, log growth",
                     f"{loaded['daemon_cores']:.2f} cores, {loaded['log_kib_per_s']:.1f} KiB/s",
                     f"quiet {quiet['daemon_cores']:.2f} cores, {quiet['log_kib_per_s']:.1f} KiB/s" + (f"; {extra}" if extra else ""),
