@@ -6,7 +6,8 @@ bytes the other side does not take. Before, each such direction held a pipe (two
 outside the budget: at the least limit start-up accepted, the daemon ran out of descriptors, a
 new user's first call failed and a bystander's warm call took 35 s. Now the relay holds at most
 ``RELAY_PIPES`` pipes (service/fds.py), which the budget counts; a direction past them waits
-in a buffer.
+in a buffer. And each upstream socket lets at most ``UNSENT_BYTES`` wait unsent, where the
+kernel let tcp_wmem's 4 MiB wait (1.2 GiB for these tunnels, past the host's TCP pressure mark).
 
 The daemon runs in a network namespace with only a loopback device; the tunnels go to a server
 this test starts in that namespace, on 127.0.0.1, which egress.allow names.
