@@ -63,7 +63,7 @@ def test_a_fork_bombed_sandbox_is_gone_within_seconds_of_being_condemned(make_da
     caller.start()
     most = -1 if GVISOR else 0  # -1: this host's cgroups not found, the threads not counted
     while caller.is_alive():
-        most = max(most, sandbox_threads(daemon, docker_api) if GVISOR else len(host_processes(marker)))
+        most = max(most, sandbox_threads_of(daemon, docker_api, A) if GVISOR else len(host_processes(marker)))
         caller.join(0.5)
     condemned = time.monotonic()
     # The bomb may exhaust the sandbox's memory before the timeout: the kernel's OOM killer (or, under
@@ -87,10 +87,10 @@ def test_a_fork_bombed_sandbox_is_gone_within_seconds_of_being_condemned(make_da
           f"{gone_s:.1f} s after it was condemned ({RUNTIME or 'runc'}, {answers[0]['status']})")
 
 
-def sandbox_threads(daemon: Any, docker_api: Any) -> int:
-    """Host threads in the cgroup of A's sandbox (cgroup v1 or v2, either driver); -1 where none is found."""
+def sandbox_threads_of(daemon: Any, docker_api: Any, user: str) -> int:
+    """Host threads in the cgroup of ``user``'s sandbox (cgroup v1 or v2, either driver); -1 where none is found."""
     counts = [-1]
-    for container in daemon.containers(docker_api, **{"org.sandboxd.user": A}):
+    for container in daemon.containers(docker_api, **{"org.sandboxd.user": user}):
         cid = container["Id"]
         for path in (f"/sys/fs/cgroup/pids/docker/{cid}", f"/sys/fs/cgroup/pids/system.slice/docker-{cid}.scope",
                      f"/sys/fs/cgroup/system.slice/docker-{cid}.scope"):

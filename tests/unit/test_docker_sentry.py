@@ -5,6 +5,7 @@ exit came, not left for the next start. tests/e2e/test_kill.py shows the kill la
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any, Iterator
 
 import docker.errors
@@ -14,7 +15,7 @@ from sandboxd.config import SandboxConfig
 from sandboxd.sandbox.docker import backend as backend_module
 from sandboxd.sandbox.docker import sentry
 from sandboxd.sandbox.docker.backend import KILL_GAVE_UP, DockerBackend
-from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry
+from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry, lift_cpu_quota
 
 CONTAINER = "c0ffee" * 10 + "abcd"
 
@@ -124,3 +125,23 @@ def test_another_refusal_of_the_removal_is_raised_as_before() -> None:
 
     with pytest.raises(docker.errors.APIError):
         backend_on(Refusing(), gvisor=True)._remove(CONTAINER)
+
+
+@pytest.mark.parametrize(("place", "quota", "lifted"), [
+    ("cpu/docker/{id}/cpu.cfs_quota_us", "25000\n", "-1"),  # cgroup v1, the cgroupfs driver
+    ("cpu,cpuacct/system.slice/docker-{id}.scope/cpu.cfs_quota_us", "25000\n", "-1"),  # v1, systemd
+    ("system.slice/docker-{id}.scope/cpu.max", "25000 100000\n", "max"),  # v2, systemd
+])
+def test_the_quota_is_lifted_where_the_engine_put_the_containers_cgroup(tmp_path: Path, place: str, quota: str,
+                                                                       lifted: str) -> None:
+    path = tmp_path / place.format(id=CONTAINER)
+    path.parent.mkdir(parents=True)
+    path.write_text(quota)
+    assert lift_cpu_quota(CONTAINER, root=tmp_path)
+    assert path.read_text() == lifted
+
+
+def test_no_cgroup_found_lifts_nothing_and_makes_no_file(tmp_path: Path) -> None:
+    (tmp_path / "cpu" / "docker" / CONTAINER).mkdir(parents=True)
+    assert not lift_cpu_quota(CONTAINER, root=tmp_path)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

@@ -30,7 +30,7 @@ from sandboxd.sandbox.docker.attach import attach_socket, raw_socket
 from sandboxd.sandbox.docker.esbuild import extract_esbuild
 from sandboxd.sandbox.docker.runtime import is_gvisor, runtime_problem
 from sandboxd.sandbox.docker.sandbox import DockerSandbox
-from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry
+from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry, lift_cpu_quota
 from sandboxd.sandbox.docker.sockets import SandboxPeer, SandboxSockets
 from sandboxd.sandbox.docker.spec import (
     LABEL_INSTANCE,
@@ -428,11 +428,13 @@ class DockerBackend:
             pass  # the removal that follows waits, or fails and is retried later, as before
 
     def _kill_sentry(self, container_id: str) -> None:
-        """End a condemned gVisor sandbox by a SIGKILL to its Sentry on the host (sentry.py says why).
+        """End a condemned gVisor sandbox by a SIGKILL to its Sentry on the host, its CPU quota lifted
+        first (sentry.py says why).
 
-        Needs the right to signal it (root, or CAP_KILL). Without it the engine's kill goes
-        through the Sentry as before, and for a sandbox of thousands of tasks that takes 10 s or more.
+        Needs root (or CAP_KILL, for the kill alone). Without it the engine's kill goes through the
+        Sentry as before, and for a sandbox of thousands of tasks that takes 10 s or more.
         """
+        lift_cpu_quota(container_id)  # its stubs die within the quota, even once the Sentry is dead
         state = self.api().inspect_container(container_id).get("State") or {}
         pid = int(state.get("Pid") or 0)
         if not state.get("Running") or pid <= 0:
