@@ -52,7 +52,7 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-# Made once: json.loads with any option builds a new decoder per call (~2 µs, twice per tools/call).
+# Made once: json.loads with any option builds a new decoder per call.
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 _UNIQUE_KEYS_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float,
                                         object_pairs_hook=_unique_object)

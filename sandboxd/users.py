@@ -10,8 +10,8 @@ from sandboxd.errors import InvalidParams
 # Used with fullmatch: "$" would let "alice@example.com\n" through as another user.
 _USER_RE = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+")
 MAX_USER_LENGTH = 254
-# Names already checked, to their canonical form: a client names the same few users call after call,
-# and the pattern costs more than a lookup. Bounded: a client naming endless users only refills it.
+# Names already checked, to their canonical form: a client names the same few users call after call.
+# Bounded: a client naming endless users only refills it.
 _CHECKED: dict[str, str] = {}
 _MAX_CHECKED = 10_000
 

@@ -247,7 +247,7 @@ def build_server(link: DaemonLink, *, timeout_ms: int | None = None) -> UserTool
         on_list_tools=list_tools, on_call_tool=call_tool, on_subscriptions_listen=ListenHandler(link.changes),
     )
     server.add_notification_handler("notifications/initialized", types.NotificationParams, initialized)
-    # The SDK's OpenTelemetry middleware opens a span per message even with no exporter: ~90 µs
-    # of a warm call's ~600 (make bench). sandboxd traces nothing; its log says what ran.
+    # The SDK's OpenTelemetry middleware opens a span per message even with no exporter (docs/performance.md).
+    # sandboxd traces nothing; its log says what ran.
     server.middleware = []
     return server

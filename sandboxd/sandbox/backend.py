@@ -92,8 +92,8 @@ def reserved_env(name: str) -> bool:
 def container_entry_path(tool: Tool) -> str:
     """Entry path inside a sandbox that mounts the tools where docs/tools.md says."""
     root = CONTAINER_USER_TOOLS if tool.source == "user" else CONTAINER_TOOLS
-    # The entry's folder and file, split off its path's string (made once per Path): pathlib's
-    # .name, twice, costed more on every Docker call. The entry is always a file of the tool's folder.
+    # The entry's folder and file, split off its path's string (made once per Path), not by pathlib on every call.
+    # The entry is always a file of the tool's folder.
     _, folder, entry = str(tool.entry).rsplit("/", 2)
     return f"{root}/{folder}/{entry}"
 
@@ -132,7 +132,7 @@ class OutputLimits:
     idle_output_bytes: int = 4 << 20  # allowed while no call runs, per idle period
 
 
-# Built per call: slots and not frozen, as a frozen dataclass's __init__ makes a setattr call per field.
+# Built per call: slots and not frozen, as a frozen dataclass's __init__ goes through setattr.
 @dataclass(slots=True)
 class CallRequest:
     """One execute() call, as the shim protocol carries it (docs/shim.md). Never changed once made."""

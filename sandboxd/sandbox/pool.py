@@ -10,8 +10,8 @@ which sandbox), in named steps whose cases its docstring numbers. ``_commit`` ap
 would hand them (``_idle_for_alone``), and a release nobody waits for is settled by the next plan.
 
 A plan looks at everything when anyone else waits, when room frees up, and every second
-(``maintain``); else at the one user whose sandboxes changed (a walk of everything costs ~1 ms
-at 500 users). A caller cancelled while it waits never leaks a slot (``_leave``). Users share
+(``maintain``); else at the one user whose sandboxes changed (a walk of everything grows with
+the pool). A caller cancelled while it waits never leaks a slot (``_leave``). Users share
 the pool max-min fairly, the last ``pool.reserve`` slots kept for users' first calls: sharing.py
 returns whose turn it is. A sandbox being destroyed counts (STOPPING) until the backend has
 removed it: a tool that times out again and again cannot pile up containers.

@@ -234,7 +234,7 @@ class ShimSandbox:
             self._secrets |= guard.secrets  # a new set: egress contexts handed out hold the old one
         future = self.channel.call(request, on_progress)
         self._running_tool = guard.tool or None
-        # An empty StandIns serves as none: tested for None, not for truth (a Python __bool__ per call).
+        # An empty StandIns serves as none, so the test is for None.
         self._stand_ins = request.stand_ins if request.stand_ins is not None else NO_STAND_INS
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()

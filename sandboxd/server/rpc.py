@@ -101,7 +101,7 @@ class Dispatcher:
             request_id, method, params, is_request = _parse(line)
         except _Refused as refused:
             if not line.strip():
-                return  # a blank line is no message (only here: stripping every line cost a copy of it)
+                return  # a blank line is no message (checked here only, so no line is stripped)
             return self._send({"jsonrpc": "2.0", "id": refused.request_id,
                                "error": {"code": refused.code, "message": refused.message}})
         if not is_request:
@@ -122,7 +122,7 @@ class Dispatcher:
         except Exception as exc:
             return self.reply_error(request_id, exc, method)
         self._in_flight[request_id] = answer.request
-        # Named by its method: a task made without a name has a "Task-<n>" formatted for it (uvloop's create_task too).
+        # Named by its method, so no "Task-<n>" name is formatted for it.
         self._answering[request_id] = asyncio.Task(self._answer(request_id, method, answer.work),
                                                    loop=asyncio.get_running_loop(), name=method)
 

@@ -201,7 +201,7 @@ class Metrics:
     def __init__(self, daemon: Observed) -> None:
         self.registry = CollectorRegistry()
         # Counted in plain lists and read at scrape time: prometheus-client's children take a lock per
-        # increment and walk the buckets per observation, ~3 µs of every call.
+        # increment and walk the buckets per observation, on every call.
         self.calls = CallStats()
         self.registry.register(self.calls)
         # Told (tool, status, duration_s, queue_wait_s) by the call runner as each call ends; no hop of its own.

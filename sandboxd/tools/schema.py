@@ -100,7 +100,7 @@ class ArgumentsCheck:
                     violations.append(Violation(name, f"{_quote(name)} is required ({_expected(prop)})"))
                 continue
             coerced = coerce(value, prop["type"])
-            if coerced is _INVALID:  # the value is shown only here: encoding it on every call cost as much as the check
+            if coerced is _INVALID:  # the value is encoded for the message only when it is wrong
                 shown = f"a {_json_type(value)}" if prop.get("writeOnly") else _show(value)
                 violations.append(Violation(name, f"{_quote(name)} must be {_a(prop['type'])}, got {shown}"))
             elif "enum" in prop and coerced not in prop["enum"]:

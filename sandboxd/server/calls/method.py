@@ -68,8 +68,8 @@ class Calls:
 class _ProgressNotifier:
     """A call's progress as notifications to its client, numbered from 1 (docs/protocol.md).
 
-    An object, not a closure over a counter: every call makes one, few send progress, and
-    this is one allocation where the closure took six."""
+    An object, not a closure over a counter: every call makes one and few send progress, so it is
+    the smaller of the two."""
 
     __slots__ = ("_ctx", "_token", "_send", "_sent")
 

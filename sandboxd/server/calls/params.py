@@ -16,7 +16,7 @@ from sandboxd.tools.discovery import Tool, ToolCatalog
 from sandboxd.users import check_user
 
 # A generated toolCallId: unique within this daemon's life, random across its starts
-# (a counter: a read of the kernel's random source per call cost more than the rest of this check).
+# (a counter: no read of the kernel's random source per call).
 _GENERATED_PREFIX = f"call_{secrets.token_hex(4)}"
 _GENERATED_IDS = (f"{_GENERATED_PREFIX}{n:08x}" for n in itertools.count())
 
