@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
 import ssl
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from sandboxd.hostport import parse_host_port
 from sandboxd.config.defaults import AUTO_SANDBOX_ID, BRIDGE_NETWORK, DEFAULT_ALLOWED_ENV, DEFAULT_EMAIL_DB, DEFAULT_NETWORK, RUNNER_IMAGE
 from sandboxd.egress.browser_relay import BrowserRelay
 from sandboxd.egress.policy import AllowEntry
@@ -126,23 +126,12 @@ def parse_listen_address(value: str) -> tuple[str, int] | Path:
     """A metrics address: ``HOST:PORT`` on a loopback address (``[::1]:PORT`` for IPv6), or an absolute socket path."""
     if value.startswith("/"):
         return Path(value)
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{value!r} is neither HOST:PORT nor an absolute unix socket path; e.g. '127.0.0.1:9464' or '/run/sandboxd/metrics.sock'")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        host = "127.0.0.1"
-    if not port_text.isdigit() or int(port_text) > 65535:
-        raise ValueError(f"{port_text!r} in {value!r} is not a port number (0-65535)")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IP address; metrics listen on loopback only, e.g. '127.0.0.1:9464'") from None
+    address, port = parse_host_port(value, example="'127.0.0.1:9464', or an absolute socket path such as '/run/sandboxd/metrics.sock'",
+                                    lowest_port=0)
     if not address.is_loopback:
         # Metrics describe users' activity; exporting them further is a proxy's job.
-        raise ValueError(f"{host} is not a loopback address; metrics are served on 127.0.0.0/8 or ::1 only (or a unix socket)")
-    return str(address), int(port_text)
+        raise ValueError(f"{address} is not a loopback address; metrics are served on 127.0.0.0/8 or ::1 only (or a unix socket)")
+    return str(address), port
 
 
 class EgressConfig(Section):

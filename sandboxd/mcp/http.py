@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sandboxd.hostport import parse_host_port
 from sandboxd.errors import ConfigError
 from sandboxd.mcp.limits import HttpLimits
 from sandboxd.mcp.strict import duplicate_key_error
@@ -35,25 +36,16 @@ REMOTE = "mcp_http_remote"
 
 def parse_address(value: str, allow_unsafe: Iterable[str] = ()) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``localhost`` for 127.0.0.1) → (address, port); ConfigError naming the fix."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"--http {value!r} is not HOST:PORT; e.g. --http 127.0.0.1:8765")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        host = "127.0.0.1"
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"--http {value!r}: {port_text!r} is not a port (1-65535)")
     try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ConfigError(f"--http {value!r}: {host!r} is not an IP address; e.g. --http 127.0.0.1:8765") from None
+        address, port = parse_host_port(value, example="--http 127.0.0.1:8765")
+    except ValueError as error:
+        raise ConfigError(f"--http {error}") from None
     if not address.is_loopback and REMOTE not in allow_unsafe:
         raise ConfigError(
             f"--http {value!r} is not a loopback address: anyone who can reach it could try the token, and it "
             "speaks plain HTTP. Listen on 127.0.0.1 behind a TLS proxy (docs/mcp.md), or set "
             f"allow_unsafe: [{REMOTE}] to accept it.")
-    return str(address), int(port_text)
+    return str(address), port
 
 
 def token_from(environ: Mapping[str, str]) -> bytes:
