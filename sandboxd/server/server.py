@@ -62,16 +62,25 @@ class Server:
         # Beside the API socket: a runtime directory the engine sees at the same path (unlike a service's private /tmp).
         self.backend = backend or make_backend(config, config.backend, instance=instance_id(config),
                                                shim_dir=config.socket.parent / f"{config.socket.name}.shims")
+        # What a call goes through: its tools, the egress and disk policies, the pool of sandboxes, the runner.
         # The global tools transpiled on the host, refilled when a scan finds them changed.
         self.transpile_cache = TranspileCache(global_tools_dir(config.data_path), config.data_path)
         self.catalog = ToolCatalog(config.data_path, on_global_change=self.transpile_cache.request)
+        # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
+        self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
+        # Each user's disk quota, enforced by the kernel or measured; users with sandboxes are measured every second.
+        self.storage = Storage(config, on_over=self._stop_writers, live_users=lambda: self.pool.status()["users"])
         self.pool = Pool(self.backend, config.pool, self.spec_for)
-        self.runner = CallRunner(config, self.pool, self.backend)
-        self.connections: set[Connection] = set()
-        self.refused_peers = RefusedPeers()  # answers, then closes, peers allowed_uids/allowed_gids refuse
+        self.metrics = Metrics(self)
+        self.runner = CallRunner(config, self.pool, self.backend, storage=self.storage,
+                                 on_call=self.metrics.observe_call)
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
+        # The edge: who may connect, and who is connected.
+        self.peer_policy = PeerPolicy.from_config(config)
+        self.connections: set[Connection] = set()
+        self.refused_peers = RefusedPeers()  # answers, then closes, peers allowed_uids/allowed_gids refuse
         self.started_at = time.monotonic()
         self._listener: socket.socket | None = None
         # Set at start-up from RLIMIT_NOFILE (service/fds.py): what sandboxes and clients may hold.
@@ -84,14 +93,6 @@ class Server:
         self._orphan_warning_logged = False
         self.orphans_reaped = 0
         self._data_lock: int | None = None  # the fd holding the data path's lock (server/data_path.py)
-        self.peer_policy = PeerPolicy.from_config(config)
-        # Sandboxes have no network of their own: this proxy, with its policy, is their way out.
-        self.egress = EgressProxy(config.egress, browser_relay=config.integrations.relay)
-        self.storage = Storage(config)  # each user's disk quota: enforced by the kernel, or measured
-        self.runner.storage = self.storage
-        self.storage.on_over, self.storage.live_users = self._stop_writers, lambda: self.pool.status()["users"]
-        self.metrics = Metrics(self)
-        self.runner.on_call = self.metrics.observe_call
         self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
         self._reloading = asyncio.Lock()
 

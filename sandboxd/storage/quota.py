@@ -83,7 +83,8 @@ def size_text(n: int) -> str:
 class Storage:
     """Enforces and measures each user's quota for the daemon (server.Server owns one)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, on_over: Callable[[str], None] | None = None,
+                 live_users: Callable[[], Iterable[str]] = tuple) -> None:
         self.config = config
         self.places: list[Place] = []
         self.refusals = 0
@@ -97,10 +98,10 @@ class Storage:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sandboxd-quota")
         self._walks: Walks[UserUsage] = Walks(self._executor, self.measure_now, self._walked)
         self._unreadable_logged: dict[str, str] = {}
-        # Set by the server: a user measured over quota (soft) has every sandbox that ran a tool destroyed,
+        # The server's: a user measured over quota (soft) has every sandbox that ran a tool destroyed,
         # and users with sandboxes are measured every second, so a writer left behind is seen.
-        self.on_over: Callable[[str], None] | None = None
-        self.live_users: Callable[[], Iterable[str]] = tuple
+        self.on_over = on_over
+        self.live_users = live_users
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 

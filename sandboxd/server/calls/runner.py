@@ -1,5 +1,5 @@
-"""``CallRunner.run``: acquire a sandbox (pool.py) → call its shim → release it, every outcome a
-result; counted and logged once. ``sandboxd run`` runs its calls through it too."""
+"""``CallRunner.run``: admit → in the sandbox (acquire it from pool.py, call its shim, release it) →
+after; every outcome a result, counted and logged once. ``sandboxd run`` runs its calls through it too."""
 
 from __future__ import annotations
 
@@ -58,21 +58,31 @@ def text(message: str) -> list[dict[str, str]]:
 
 
 class CallRunner:
-    def __init__(self, config: Config, pool: Pool, backend: Backend) -> None:
+    """Runs checked calls. ``storage``: the disk quota (refuses users over it, measures after calls);
+    ``on_call``: told (tool, status, duration_s, queue_wait_s) as each call ends (the metrics)."""
+
+    def __init__(self, config: Config, pool: Pool, backend: Backend, *, storage: Storage | None = None,
+                 on_call: Callable[[str, str, float, float | None], None] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.backend = backend
+        self.storage = storage
+        self.on_call = on_call
         self.counts: defaultdict[str, int] = defaultdict(int)  # calls by status
-        # Told (tool, status, duration_s, queue_wait_s) as each call ends; the metrics hang here.
-        self.on_call: Callable[[str, str, float, float | None], None] | None = None
-        self.storage: Storage | None = None  # the disk quota: refuses users over it, measures after calls
         # The sandbox's output budget, as calls.* (of the section it was made from) sets it.
         self._limits_of: CallsConfig | None = None
         self._limits = OutputLimits()
 
     async def run(self, call: CallParams, ctx: CallContext, on_progress: Callable[[list[Any]], None]) -> dict[str, Any]:
-        """Acquire a sandbox → call its shim → release it. Every outcome is a result, but a sandbox
-        that could not be had (a JSON-RPC error, raised); each is logged and counted once."""
+        """A call in three steps. Every outcome is a result, but a sandbox that could not be had
+        (a JSON-RPC error, raised); each is logged and counted once.
+
+        1. Admit: a call cancelled before it got here is answered at once; a user measured over
+           quota is refused, so no sandbox is taken for a call that would add more.
+        2. In the sandbox: wait for one, check the quota again, call its shim, release the sandbox.
+        3. After: the user's folders measured, and a write that failed on a full disk told which
+           quota it hit; the call logged and counted just after its answer is written.
+        """
         started = time.monotonic()
         # Looked up once: each lookup of the running loop costs a getpid() system call in Python 3.11.
         loop = asyncio.get_running_loop()
@@ -82,29 +92,9 @@ class CallRunner:
             # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
             values = call.secrets()
             with secret_values(values) if values else _NO_SECRETS as masked:
-                if ctx.cancel_reason is not None:  # cancelled before it got here
-                    outcome = _not_started(ctx, started)
-                else:
-                    refused = self.storage.refusal(call.user) if self.storage is not None else None
-                    if refused is not None:  # over quota (measured): no sandbox is taken for a call that would add more
-                        raise refused
-                    request, guard = self._request(call, masked)
-                    ctx.enter_queue()
-                    queued_at = time.monotonic()
-                    pooled = await self.pool.acquire(call.user)
-                    ctx.queue_wait_s = time.monotonic() - queued_at
-                    reusable = False
-                    try:
-                        refused = self.storage.refusal(call.user) if self.storage is not None else None
-                        if refused is not None:  # measured over quota while it waited: its tool would write more
-                            reusable = True
-                            raise refused
-                        outcome, reusable = await self._in_sandbox(pooled.sandbox, request, guard, call, ctx, on_progress, started)
-                    finally:
-                        ctx.finish()
-                        # Released just after the answer is written (the dispatcher sends it when this returns):
-                        # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
-                        loop.call_soon(self.pool.release, pooled, reusable)
+                outcome = self._admit(call, ctx, started)  # 1
+                if outcome is None:
+                    outcome = await self._in_sandbox(call, ctx, masked, on_progress, started, loop)  # 2
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
@@ -113,16 +103,63 @@ class CallRunner:
             error = exc.message if isinstance(exc, SandboxdError) else None
             self._record(call, ctx, _ERROR_STATUS.get(type(exc), "internal_error"), time.monotonic() - started, error)
             raise
-        if self.storage is not None and ctx.sandbox is not None:
+        if self.storage is not None and ctx.sandbox is not None:  # 3
             self.storage.after_call(call.user)
             if outcome["isError"] and _DISK_FULL.search(json.dumps(outcome["content"])):
-                # Which quota the write hit, and how to free space; measured now, on failed calls only.
-                note = await self.storage.note(call.user)
-                if note is not None:
-                    outcome["content"] = [*outcome["content"], *text(note)]
+                await self._note_disk(self.storage, call.user, outcome)
         # Logged and counted just after the answer is written, like the release.
         loop.call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
+
+    def _admit(self, call: CallParams, ctx: CallContext, started: float) -> dict[str, Any] | None:
+        """Step 1: the answer of a call cancelled before it got here, else None; QuotaExceeded for a user over quota."""
+        if ctx.cancel_reason is not None:
+            return _not_started(ctx, started)
+        self._refuse_over_quota(call.user)
+        return None
+
+    def _refuse_over_quota(self, user: str) -> None:
+        refused = self.storage.refusal(user) if self.storage is not None else None
+        if refused is not None:
+            raise refused
+
+    async def _in_sandbox(self, call: CallParams, ctx: CallContext, secrets: frozenset[str],
+                          on_progress: Callable[[list[Any]], None], started: float,
+                          loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+        """Step 2: a sandbox of the user's, the quota checked again, the call in it from request to outcome.
+        The sandbox is released after, to serve another call unless this one left it spent."""
+        request, guard = self._request(call, secrets)
+        ctx.enter_queue()
+        queued_at = time.monotonic()
+        pooled = await self.pool.acquire(call.user)
+        ctx.queue_wait_s = time.monotonic() - queued_at
+        reusable = True  # a sandbox the quota check refuses ran nothing
+        try:
+            self._refuse_over_quota(call.user)  # measured over quota while it waited: its tool would write more
+            reusable = False  # until the shim's answer says so
+            sandbox = pooled.sandbox
+            assert sandbox is not None  # the pool hands out started sandboxes only
+            calls = self.config.calls
+            progress = ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
+            future = progress.future = sandbox.call(request, progress, guard)
+            ctx.start_running(sandbox, future, call.timeout_s)
+            try:
+                answer = await future
+            except (TimedOut, GraceExpired, Killed, SandboxFailed, ProgressCapExceeded) as exc:
+                return self._stopped(exc, call, ctx, started)
+            outcome, reusable = self._answered(answer, sandbox, call, ctx, started)
+            return outcome
+        finally:
+            ctx.finish()
+            # Released just after the answer is written (the dispatcher sends it when run returns):
+            # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
+            loop.call_soon(self.pool.release, pooled, reusable)
+
+    async def _note_disk(self, storage: Storage, user: str, outcome: dict[str, Any]) -> None:
+        """Which quota a failed write hit, and how to free space; measured now, on such calls only."""
+        note = await storage.note(user)
+        if note is not None:
+            outcome["content"] = [*outcome["content"], *text(note)]
 
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
         """What the shim is sent, and what the sandbox holds this call to."""
@@ -143,29 +180,22 @@ class CallRunner:
                               calls.max_result_bytes, stand_ins, relay)
         return request, CallGuard(self._limits, call.tool.name, secrets)
 
-    async def _in_sandbox(self, sandbox: Sandbox | None, request: CallRequest, guard: CallGuard, call: CallParams,
-                          ctx: CallContext, on_progress: Callable[[list[Any]], None],
-                          started: float) -> tuple[dict[str, Any], bool]:
-        """The call in its sandbox, from request to outcome; and whether the sandbox may serve another."""
-        assert sandbox is not None  # the pool hands out started sandboxes only
-        calls = self.config.calls
-        progress = ProgressBudget(calls.max_progress_updates, calls.max_progress_bytes, on_progress)
-        future = progress.future = sandbox.call(request, progress, guard)
-        ctx.start_running(sandbox, future, call.timeout_s)
-        try:
-            answer = await future
-        except TimedOut:
+    def _stopped(self, exc: TimedOut | GraceExpired | Killed | SandboxFailed | ProgressCapExceeded, call: CallParams,
+                 ctx: CallContext, started: float) -> dict[str, Any]:
+        """The outcome of a call its sandbox did not answer; the sandbox is replaced."""
+        if isinstance(exc, TimedOut):
             return result("timeout", text(
                 f"The tool did not finish within {call.timeout_s:g} s and was stopped; "
-                "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started), False
-        except GraceExpired:
+                "its sandbox was replaced. Ask for less work per call or raise timeoutMs."), started)
+        if isinstance(exc, GraceExpired):
             return result("cancelled", text(
                 f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
-                f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started), False
-        except Killed as exc:
-            return result("cancelled", text(exc.message), started), False
-        except (SandboxFailed, ProgressCapExceeded) as exc:
-            return result("crashed", text(exc.message), started), False
+                f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
+        return result("cancelled" if isinstance(exc, Killed) else "crashed", text(exc.message), started)
+
+    def _answered(self, answer: dict[str, Any], sandbox: Sandbox, call: CallParams, ctx: CallContext,
+                  started: float) -> tuple[dict[str, Any], bool]:
+        """The outcome of the shim's answer, and whether its sandbox may serve another call."""
         # The shim says when a tool left processes running or /tmp full (docs/shim.md).
         retire = answer.get("retire")
         if retire:
