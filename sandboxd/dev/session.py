@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from sandboxd.config import Config, PoolConfig, SandboxConfig
+from sandboxd.container import CONTAINER_USER_TOOLS
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable
-from sandboxd.sandbox.backend import CONTAINER_USER_TOOLS, Backend, Sandbox, SandboxSpec
+from sandboxd.sandbox.backend import Backend, Sandbox, SandboxSpec
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallContext, CallParams, CallRunner

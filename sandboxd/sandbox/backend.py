@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
+from sandboxd.container import CONTAINER_TOOLS, CONTAINER_USER_TOOLS
 from sandboxd.egress.browser_relay import RelayForCall
 
 if TYPE_CHECKING:
@@ -58,36 +59,6 @@ class EgressSession(Protocol):
 
 class Egress(Protocol):
     def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession: ...
-
-# Where docs/tools.md says things live inside a sandbox.
-CONTAINER_TOOLS = "/officer/tools"
-CONTAINER_USER = "/officer/user"
-CONTAINER_USER_TOOLS = "/officer/user/tools"
-CONTAINER_EMAIL_DIR = "/officer/data"  # the host folder of the user's email database, read-write
-CONTAINER_EMAIL_DB = f"{CONTAINER_EMAIL_DIR}/emails.db"
-CONTAINER_CACHE = "/officer/cache"  # the transpile cache (tools/transpile_cache.py), read-only
-
-
-def sandbox_env(*, home: str, tools_dir: str, user_tools_dir: str, email_db: str) -> dict[str, str]:
-    """The variables every sandbox gets (docs/tools.md, "The entry file"), by any backend."""
-    return {
-        "HOME": home,
-        "OFFICER_USER_HOME": home,
-        "OFFICER_USER_ROOT": home,
-        "PI_TOOLS_DIRS": f"{tools_dir}:{user_tools_dir}",
-        "OFFICER_EMAIL_DB": email_db,
-    }
-
-
-# Names a call's env may never set, even when calls.allowed_env lists them: the contract above,
-# the shim's own (SANDBOXD_*, checked by prefix) and the egress proxy variables the shim sets.
-RESERVED_ENV = frozenset(sandbox_env(home="", tools_dir="", user_tools_dir="", email_db="")) | frozenset(
-    {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"})
-
-
-def reserved_env(name: str) -> bool:
-    return name in RESERVED_ENV or name.startswith("SANDBOXD_")
-
 
 def container_entry_path(tool: Tool) -> str:
     """Entry path inside a sandbox that mounts the tools where docs/tools.md says."""

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from sandboxd.container import CONTAINER_CACHE, CONTAINER_EMAIL_DIR, CONTAINER_TOOLS, CONTAINER_USER, CONTAINER_USER_TOOLS
 from sandboxd.errors import BackendUnavailable, UnsafeMount
-from sandboxd.sandbox.backend import (CONTAINER_CACHE, CONTAINER_EMAIL_DIR, CONTAINER_TOOLS, CONTAINER_USER,
-                                      CONTAINER_USER_TOOLS, SandboxSpec)
+from sandboxd.sandbox.backend import SandboxSpec
 
 Kind = Literal["dir", "file"]
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from sandboxd.config import REPO_ROOT, SandboxConfig
+from sandboxd.container import sandbox_env
 from sandboxd.errors import BackendUnavailable, SandboxFailed
-from sandboxd.sandbox.backend import SandboxSpec, sandbox_env
+from sandboxd.sandbox.backend import SandboxSpec
 from sandboxd.sandbox.shim import SHIM_PROTOCOL, ShimSandbox
 from sandboxd.tools.discovery import Tool
 

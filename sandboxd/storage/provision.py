@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxd.config import AUTO_SANDBOX_ID, Config, email_db_path
+from sandboxd.container import CONTAINER_EMAIL_DIR, CONTAINER_USER
 from sandboxd.errors import BackendUnavailable
 from sandboxd.logging import get_logger
-from sandboxd.sandbox.backend import CONTAINER_EMAIL_DIR, CONTAINER_USER
 from sandboxd.sandbox.mounts import R, W, X, grant_access
 from sandboxd.storage import btrfs, convert
 from sandboxd.users import check_user

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandboxd.container import CONTAINER_TOOLS
 from sandboxd.logging import get_logger
-from sandboxd.sandbox.backend import CONTAINER_TOOLS
 from sandboxd.tools.esbuild import Esbuild
 
 log = get_logger("sandboxd.tools")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sandboxd.config import AUTO_SANDBOX_ID, email_db_path, load_config
+from sandboxd.container import CONTAINER_EMAIL_DIR, CONTAINER_USER, CONTAINER_USER_TOOLS
 from sandboxd.errors import ConfigError, UnsafeMount
-from sandboxd.sandbox.backend import CONTAINER_EMAIL_DIR, CONTAINER_USER, CONTAINER_USER_TOOLS, SandboxSpec
+from sandboxd.sandbox.backend import SandboxSpec
 from sandboxd.sandbox.mounts import (ACCESS_ACL, DEFAULT_ACL, R, W, X, acl_users, grant_access,
                                      open_beneath, sandbox_binds)
 

@@ -15,15 +15,9 @@ from typing import Any, Callable
 from docker.types import LogConfig, Mount, Ulimit
 
 from sandboxd.config import AUTO_SANDBOX_ID, SandboxConfig
-from sandboxd.sandbox.backend import (
-    CONTAINER_CACHE,
-    CONTAINER_EMAIL_DB,
-    CONTAINER_TOOLS,
-    CONTAINER_USER,
-    CONTAINER_USER_TOOLS,
-    SandboxSpec,
-    sandbox_env,
-)
+from sandboxd.container import (CONTAINER_CACHE, CONTAINER_EMAIL_DB, CONTAINER_TOOLS, CONTAINER_USER, CONTAINER_USER_TOOLS,
+                                sandbox_env)
+from sandboxd.sandbox.backend import SandboxSpec
 from sandboxd.sandbox.mounts import Bind
 from sandboxd.sandbox.docker.seccomp import sandbox_profile
 from sandboxd.tools.transpile_cache import CACHE_ENV

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sandboxd.config import Config
+from sandboxd.container import reserved_env
 from sandboxd.egress.secrets import value_problem
 from sandboxd.errors import InvalidParams
-from sandboxd.sandbox.backend import reserved_env
 from sandboxd.server.rpc import is_request_id
 from sandboxd.tools.discovery import Tool, ToolCatalog
 from sandboxd.users import check_user
