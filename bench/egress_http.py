@@ -71,7 +71,7 @@ async def measure(requests: int, body: int) -> tuple[float, float]:
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
     from sandboxd.egress.secrets import StandIns
-    from sandboxd.sandbox.backend import EgressCall
+    from sandboxd.egress.contract import EgressCall
 
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE)
     assert upstream.stdout is not None

@@ -44,12 +44,12 @@ from typing import Awaitable, Callable
 
 from sandboxd.config import EgressConfig
 from sandboxd.egress.browser_relay import BrowserRelay
+from sandboxd.egress.contract import EgressContext
 from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
 from sandboxd.egress.request import Refused
 from sandboxd.egress.secrets import parse_secret_hosts
 from sandboxd.egress.session import EgressSession
 from sandboxd.logging import get_logger
-from sandboxd.sandbox.backend import EgressContext
 
 log = get_logger("sandboxd.egress")
 

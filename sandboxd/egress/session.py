@@ -11,6 +11,7 @@ import ssl
 from typing import Awaitable, Callable, Protocol
 
 from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
+from sandboxd.egress.contract import EgressContext
 from sandboxd.egress.echoes import AnswerScrubber
 from sandboxd.egress.grants import GRANT_ENDED
 from sandboxd.egress.http1 import Malformed, RequestReader
@@ -21,7 +22,6 @@ from sandboxd.egress.request import (HEAD_TIMEOUT_S, NoRequest, Refused, parse_r
                                      reply)
 from sandboxd.egress.secrets import Rewrite, StandIns, names_host
 from sandboxd.logging import get_logger, masking, source
-from sandboxd.sandbox.backend import EgressContext
 from sandboxd.service.fds import EGRESS_REFUSING
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 

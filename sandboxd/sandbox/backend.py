@@ -9,56 +9,22 @@ tests run in milliseconds.
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from sandboxd.container import CONTAINER_TOOLS, CONTAINER_USER_TOOLS
 from sandboxd.egress.browser_relay import RelayForCall
+from sandboxd.egress.contract import Egress
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
-    from sandboxd.egress.grants import CallGrant
     from sandboxd.egress.secrets import StandIns
-    from sandboxd.service.peercred import PeerCredentials
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.esbuild import Esbuild
 
 ProgressCallback = Callable[[list[Any]], None]
 
-
-@dataclass(frozen=True)
-class EgressCall:
-    """What a sandbox is doing, for its egress: the running tool (None when idle), the secrets its
-    output is masked against, the running call's stand-ins (egress.secrets) and the browser relay
-    port it was granted (integrations.browser_relay; None when not); ``grant`` ends the egress connections
-    admitted by these when the call is answered (egress/grants.py; None when idle)."""
-
-    tool: str | None
-    secrets: frozenset[str]
-    stand_ins: StandIns
-    relay_port: int | None = None
-    grant: CallGrant | None = None
-
-
-EgressContext = Callable[[], EgressCall]
-
-
-class EgressSession(Protocol):
-    """One sandbox's way out (egress/proxy.py): it serves the sandbox's egress socket."""
-
-    async def serve(self, listener: socket.socket, is_sandbox: Callable[[PeerCredentials], bool]) -> None:
-        """Accept and serve the connections made to ``listener`` by the sandbox (``is_sandbox``) until cancelled."""
-        ...
-
-    def close(self) -> None:
-        """End every connection: the sandbox is gone."""
-        ...
-
-
-class Egress(Protocol):
-    def session(self, user: str, sandbox_id: str, context: EgressContext) -> EgressSession: ...
 
 def container_entry_path(tool: Tool) -> str:
     """Entry path inside a sandbox that mounts the tools where docs/tools.md says."""

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from sandboxd.config import Config, email_db_path, shim_line_bytes
-from sandboxd.sandbox.backend import Backend, Egress, SandboxSpec
+from sandboxd.egress.contract import Egress
+from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.users import global_tools_dir, user_dir, user_tools_dir
 
 BackendName = Literal["docker", "process", "fake"]

@@ -9,8 +9,9 @@ import pytest
 
 from sandboxd.config import ConfigError, load_config, needs_restart
 from sandboxd.egress.browser_relay import RELAY_NAME, BrowserRelay, RelayForCall, relay_for_call, tunnel_verdict
+from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.secrets import StandIns
-from sandboxd.sandbox.backend import CallRequest, EgressCall
+from sandboxd.sandbox.backend import CallRequest
 from tests.unit.test_egress import Upstream, exchange, make_proxy
 
 ENV = "SANDBOXD_INTEGRATIONS_BROWSER_RELAY"

@@ -121,7 +121,7 @@ def test_the_proxy_forwards_nothing_after_the_request_even_when_it_comes_later()
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
     from sandboxd.egress.secrets import StandIns
-    from sandboxd.sandbox.backend import EgressCall
+    from sandboxd.egress.contract import EgressCall
 
     async def scenario() -> tuple[bytes, bytes]:
         received = bytearray()
@@ -172,7 +172,7 @@ def test_a_request_whose_call_was_answered_gets_no_value_and_reaches_nothing() -
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
     from sandboxd.egress.secrets import StandIns
-    from sandboxd.sandbox.backend import EgressCall
+    from sandboxd.egress.contract import EgressCall
 
     async def scenario() -> tuple[bytes, bytes]:
         received = bytearray()

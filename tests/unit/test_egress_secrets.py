@@ -20,10 +20,11 @@ from urllib.parse import quote
 import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
+from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.proxy import EgressProxy
 from sandboxd.egress.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.logging import configure_logging, secret_values
-from sandboxd.sandbox.backend import CallRequest, EgressCall
+from sandboxd.sandbox.backend import CallRequest
 from tests.tls_certs import make_ca
 from tests.unit.test_server import USER, Harness, serving
 

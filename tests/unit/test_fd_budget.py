@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from sandboxd.config import ConfigError, load_config
+from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.secrets import StandIns
-from sandboxd.sandbox.backend import EgressCall
 from sandboxd.service import fds
 from sandboxd.service.fds import (CLIENT_REFUSING, EGRESS_REFUSING, RELAY_PIPE_FDS, RESERVED_FDS, SANDBOX_OWN_FDS,
                                   ClientShares, FdBudget, raise_nofile_limit)

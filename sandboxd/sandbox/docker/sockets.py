@@ -18,8 +18,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandboxd.egress.contract import EgressSession
 from sandboxd.errors import BackendUnavailable
-from sandboxd.sandbox.backend import EgressSession
 from sandboxd.sandbox.docker.spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBACK_HOSTS, SHIM_SOCKET_NAME
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
