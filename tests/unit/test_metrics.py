@@ -38,10 +38,10 @@ async def handler(request: CallRequest, on_progress: Any, aborted: asyncio.Event
 
 
 def run_server(tmp_path: Path, test: Callable[[Server], Any], *, orphans: int = 0, **settings: Any) -> None:
-    async def main() -> None:
+    async def main(short_dir: Path) -> None:
         hello_tree(tmp_path / "data")
         config = load_config(environ={}, overrides={
-            "data_path": tmp_path / "data", "socket": Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock",
+            "data_path": tmp_path / "data", "socket": short_dir / "s.sock",
             "seed_tools": None, "backend": "fake"} | settings)
         backend = FakeBackend(handler)
         backend.orphans = [f"orphan-{i}" for i in range(orphans)]
@@ -52,7 +52,8 @@ def run_server(tmp_path: Path, test: Callable[[Server], Any], *, orphans: int = 
         finally:
             await server.shutdown()
 
-    asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="sbd-") as short_dir:  # a socket's path is at most 108 bytes
+        asyncio.run(main(Path(short_dir)))
 
 
 async def call(server: Server, name: str, **extra: Any) -> dict[str, Any]:
@@ -140,8 +141,8 @@ def test_rejected_calls_are_counted_with_their_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-def test_endpoint_serves_metrics_and_nothing_else(tmp_path: Path, transport: str) -> None:
-    metrics_socket = Path(tempfile.mkdtemp(prefix="sbd-")) / "metrics.sock"
+def test_endpoint_serves_metrics_and_nothing_else(tmp_path: Path, short_dir: Path, transport: str) -> None:
+    metrics_socket = short_dir / "metrics.sock"
     listen = "127.0.0.1:0" if transport == "tcp" else str(metrics_socket)
 
     async def test(server: Server) -> None:

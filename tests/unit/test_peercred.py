@@ -7,7 +7,6 @@ import io
 import json
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,10 +59,10 @@ def test_config_takes_ids_and_names() -> None:
 
 
 @needs_root
-def test_refused_peer_gets_one_error_and_is_disconnected_allowed_peers_are_served(tmp_path: Path) -> None:
+def test_refused_peer_gets_one_error_and_is_disconnected_allowed_peers_are_served(tmp_path: Path, short_dir: Path) -> None:
     stream = io.StringIO()
     configure_logging("info", "json", stream)
-    socket_dir = Path(tempfile.mkdtemp(prefix="sbd-"))
+    socket_dir = short_dir
     socket_dir.chmod(0o755)  # so that the other uids can reach the socket at all
     config = load_config(environ={}, overrides={
         "data_path": tmp_path / "data", "socket": socket_dir / "s.sock", "seed_tools": None, "backend": "fake",

@@ -36,8 +36,12 @@ def test_which_keys_need_a_restart(key: str, restart: bool) -> None:
 
 
 def run(tmp_path: Path, test: Any, *, tool: Any = handler, backend: Any = FakeBackend, **settings: Any) -> None:
-    base = {"data_path": tmp_path / "data", "socket": Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock",
-            "seed_tools": None, "backend": "fake"}
+    with tempfile.TemporaryDirectory(prefix="sbd-") as short_dir:  # a socket's path is at most 108 bytes
+        serve_for(tmp_path, Path(short_dir) / "s.sock", test, tool=tool, backend=backend, **settings)
+
+
+def serve_for(tmp_path: Path, socket: Path, test: Any, *, tool: Any, backend: Any, **settings: Any) -> None:
+    base = {"data_path": tmp_path / "data", "socket": socket, "seed_tools": None, "backend": "fake"}
 
     def configure(**changes: Any) -> Config:
         return load_config(environ={}, overrides=base | settings | changes)

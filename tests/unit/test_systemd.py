@@ -138,9 +138,8 @@ def run_with_fd3(sock: socket.socket, code: str) -> subprocess.CompletedProcess[
     )
 
 
-def test_listen_socket_takes_the_passed_listening_socket() -> None:
-    directory = tempfile.mkdtemp(prefix="sbd-")
-    path = os.path.join(directory, "s.sock")
+def test_listen_socket_takes_the_passed_listening_socket(short_dir: Path) -> None:
+    path = str(short_dir / "s.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(path)
         listener.listen(8)
@@ -168,13 +167,13 @@ def test_listen_socket_rejects_the_wrong_kind_of_socket(kind: str, fragment: str
     assert fragment in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_serve_reports_ready_only_when_listening_then_reload_and_stopping(tmp_path: Path, notify_abstract: Any,
+def test_serve_reports_ready_only_when_listening_then_reload_and_stopping(tmp_path: Path, short_dir: Path, notify_abstract: Any,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     address, receiver = notify_abstract
     monkeypatch.setenv("NOTIFY_SOCKET", address)
     monkeypatch.setenv("WATCHDOG_USEC", "20000")  # a ping every 10 ms
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
-    socket_path = Path(tempfile.mkdtemp(prefix="sbd-")) / "s.sock"
+    socket_path = short_dir / "s.sock"
     settings = {"data_path": tmp_path / "data", "socket": socket_path, "seed_tools": None, "backend": "fake"}
     config = load_config(overrides=settings, environ={})
     reloaded = load_config(overrides=settings | {"pool": {"max_per_user": 7}}, environ={})
