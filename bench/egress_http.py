@@ -70,7 +70,7 @@ for _ in range(count):
 async def measure(requests: int, body: int) -> tuple[float, float]:
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
-    from sandboxd.egress.secrets import StandIns
+    from sandboxd.rules.secrets import StandIns
     from sandboxd.egress.contract import EgressCall
 
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM], stdout=subprocess.PIPE)

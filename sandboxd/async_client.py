@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxd import strictjson
-from sandboxd.client import DaemonUnreachable, RpcError
+from sandboxd.client import DaemonUnreachable
 from sandboxd.lines import LineBuffer
+from sandboxd.wire import PROGRESS, Message, RpcError, cancelled, notification, request
 
 Progress = Callable[[dict[str, Any]], None]
 Notification = Callable[[str, dict[str, Any]], None]
@@ -59,10 +60,7 @@ class AsyncClient:
         request_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, on_progress)
-        message: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id, "method": method}
-        if params is not None:
-            message["params"] = params
-        self._send(message)
+        self._send(request(request_id, method, params))
         try:
             await self._writer.drain()
         except (ConnectionError, OSError):
@@ -76,7 +74,12 @@ class AsyncClient:
 
     def notify(self, method: str, params: dict[str, Any]) -> None:
         if not self.closed.is_set():
-            self._send({"jsonrpc": "2.0", "method": method, "params": params})
+            self._send(notification(method, params))
+
+    def cancel(self, request_id: int, reason: str) -> None:
+        """notifications/cancelled for ``request_id``: the daemon stops it (its tool's AbortSignal fires)."""
+        if not self.closed.is_set():
+            self._send(cancelled(request_id, reason))
 
     def forget(self, request_id: int) -> None:
         """Stop waiting for ``request_id`` (its answer, when it comes, is dropped)."""
@@ -91,7 +94,7 @@ class AsyncClient:
             pass
         self._lost()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Message) -> None:
         self._writer.write(strictjson.dumps_line(message))
 
     async def _read(self) -> None:
@@ -109,24 +112,22 @@ class AsyncClient:
         method = message.get("method")
         if method is None and "error" in message and message.get("id") is None:
             # Tied to no request (a refused peer, a line the daemon could not read): every request waiting fails.
-            error = message["error"]
             pending, self._pending = self._pending, {}
             for future, _ in pending.values():
                 if not future.done():
-                    future.set_exception(RpcError(error.get("code", 0), error.get("message", ""), error.get("data")))
+                    future.set_exception(RpcError.from_error(message["error"]))
             return
         if method is None:
             entry = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
             if entry is None or entry[0].done():
                 return
             if "error" in message:
-                error = message["error"]
-                entry[0].set_exception(RpcError(error.get("code", 0), error.get("message", ""), error.get("data")))
+                entry[0].set_exception(RpcError.from_error(message["error"]))
             else:
                 entry[0].set_result(message.get("result"))
             return
         params = message.get("params") or {}
-        if method == "notifications/progress":
+        if method == PROGRESS:
             entry = self._pending.get(params.get("progressToken"))  # type: ignore[arg-type]
             if entry is not None and entry[1] is not None:
                 entry[1](params)

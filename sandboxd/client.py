@@ -6,18 +6,12 @@ import collections
 import itertools
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from sandboxd import strictjson
 from sandboxd.lines import LineBuffer
-
-
-class RpcError(Exception):
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
-        super().__init__(message)  # what a person reads; the code is for programs (.code)
-        self.code = code
-        self.message = message
-        self.data = data
+from sandboxd.wire import RpcError as RpcError  # where the CLI and the tests have always found it
+from sandboxd.wire import RequestId, cancelled, request
 
 
 class DaemonUnreachable(Exception):
@@ -54,7 +48,7 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Mapping[str, Any]) -> None:
         self._sock.sendall(strictjson.dumps_line(message))
 
     def read_message(self) -> dict[str, Any]:
@@ -83,10 +77,7 @@ class Client:
         waiting for the answer; a second Ctrl-C propagates.
         """
         request_id = next(self._ids)
-        message: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id, "method": method}
-        if params is not None:
-            message["params"] = params
-        self.send(message)
+        self.send(request(request_id, method, params))
         interrupted = False
         while True:
             # Ctrl-C may land anywhere in the wait, printing progress included (the moment a
@@ -100,8 +91,7 @@ class Client:
                 on_interrupt(request_id)
                 continue
             if "error" in reply:
-                error = reply["error"]
-                raise RpcError(error.get("code", 0), error.get("message", ""), error.get("data"))
+                raise RpcError.from_error(reply["error"])
             return reply.get("result")
 
     def _reply_to(self, request_id: int, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
@@ -116,8 +106,8 @@ class Client:
             if reply.get("id") == request_id or ("error" in reply and reply.get("id") is None):
                 return reply
 
-    def cancel(self, request_id: Any, reason: str = "cancelled by the user") -> None:
-        self.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request_id, "reason": reason}})
+    def cancel(self, request_id: RequestId, reason: str = "cancelled by the user") -> None:
+        self.send(cancelled(request_id, reason))
 
     def call_tool(self, user: str, name: str, arguments: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return self.request("tools/call", {"user": user, "name": name, "arguments": arguments, **extra})

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from sandboxd.hostport import parse_host_port
 from sandboxd.config.defaults import AUTO_SANDBOX_ID, BRIDGE_NETWORK, DEFAULT_ALLOWED_ENV, DEFAULT_EMAIL_DB, DEFAULT_NETWORK, RUNNER_IMAGE
-from sandboxd.egress.browser_relay import BrowserRelay
-from sandboxd.egress.policy import AllowEntry
-from sandboxd.egress.secrets import parse_secret_hosts
+from sandboxd.rules.browser_relay import BrowserRelay
+from sandboxd.rules.policy import AllowEntry
+from sandboxd.rules.secrets import parse_secret_hosts
 
 
 class Section(BaseModel):

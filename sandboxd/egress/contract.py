@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from sandboxd.egress.grants import CallGrant
-    from sandboxd.egress.secrets import StandIns
+    from sandboxd.rules.secrets import StandIns
     from sandboxd.service.peercred import PeerCredentials
 
 

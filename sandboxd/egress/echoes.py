@@ -22,7 +22,7 @@ import re
 from typing import Callable, Iterable
 
 from sandboxd.egress.http1 import MAX_HEAD_BYTES, Malformed
-from sandboxd.egress.secrets import Secret
+from sandboxd.rules.secrets import Secret
 
 _INTERIM = re.compile(rb"^HTTP/\d\.\d 1\d\d\b")  # a 100 Continue, say: another head follows it
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]{4,}")

@@ -16,9 +16,9 @@ as it understood it (bare CR or LF, control characters, obs-fold, ambiguous fram
 - ``GET https://host[:port]/path`` in absolute form, plaintext on the socket, for the
   hosts of ``egress.secrets`` only (the shim sends their requests so): the proxy makes the
   TLS connection itself, verifying the certificate against the host's trust store (and
-  ``egress.ca_file``), so that it can put the secrets' values in (egress/secrets.py).
+  ``egress.ca_file``), so that it can put the secrets' values in (rules/secrets.py).
 
-The name is resolved here, every address checked (egress/policy.py), and the
+The name is resolved here, every address checked (rules/policy.py), and the
 connection made to a checked address only. A connection admitted by what only the running
 call was granted (the browser relay's port, a secret's value put in) ends when the call is
 answered (egress/grants.py). A refusal answers 403 with
@@ -43,11 +43,11 @@ import weakref
 from typing import Awaitable, Callable
 
 from sandboxd.config import EgressConfig
-from sandboxd.egress.browser_relay import BrowserRelay
+from sandboxd.rules.browser_relay import BrowserRelay
 from sandboxd.egress.contract import EgressContext
-from sandboxd.egress.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
+from sandboxd.rules.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
 from sandboxd.egress.request import Refused
-from sandboxd.egress.secrets import parse_secret_hosts
+from sandboxd.rules.secrets import parse_secret_hosts
 from sandboxd.egress.session import EgressSession
 from sandboxd.logging import get_logger
 

@@ -7,10 +7,10 @@ import asyncio
 import socket
 from urllib.parse import urlsplit
 
-from sandboxd.egress.addresses import SCOPED
-from sandboxd.egress.browser_relay import RELAY_NAME
+from sandboxd.rules.addresses import SCOPED
+from sandboxd.rules.browser_relay import RELAY_NAME
 from sandboxd.egress.http1 import MAX_HEAD_BYTES, Head, Malformed, RequestReader
-from sandboxd.egress.policy import IPAddress, Verdict, is_host_name, parse_address
+from sandboxd.rules.policy import IPAddress, Verdict, is_host_name, parse_address
 
 HEAD_TIMEOUT_S = 10.0
 # Dropped from a forwarded request: they speak to the proxy, or ask for a connection we do not keep.

@@ -186,7 +186,7 @@ async def relay(ctx: ServerRequestContext[Any], client: AsyncClient, call: dict[
 
 
 def _cancel(client: AsyncClient, request_id: int) -> None:
-    client.notify("notifications/cancelled", {"requestId": request_id, "reason": "cancelled by the MCP client"})
+    client.cancel(request_id, "cancelled by the MCP client")
     client.forget(request_id)
 
 

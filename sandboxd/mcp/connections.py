@@ -29,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from sandboxd.logging import get_logger
 from sandboxd.mcp.http import authorized
+from sandboxd.wire import error_object, error_response
 
 log = get_logger("sandboxd.mcp")
 
@@ -112,9 +113,8 @@ class Admission:
                          "raise --max-connections if a legitimate host needs more")
 
 
-_BUSY_BODY = json.dumps({"jsonrpc": "2.0", "id": None, "error": {
-    "code": -32000, "message": "every connection this server allows is serving a request; retry later "
-                               "(limit: --max-connections)."}}).encode()
+_BUSY_BODY = json.dumps(error_response(None, error_object(
+    -32000, "every connection this server allows is serving a request; retry later (limit: --max-connections)."))).encode()
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
          b"retry-after: 1\r\ncontent-length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 

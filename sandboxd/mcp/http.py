@@ -27,6 +27,7 @@ from sandboxd.hostport import parse_host_port
 from sandboxd.errors import ConfigError
 from sandboxd.mcp.limits import HttpLimits
 from sandboxd.mcp.strict import duplicate_key_error
+from sandboxd.wire import INVALID_REQUEST, ErrorResponse, error_object, error_response
 
 PATH = "/mcp"
 TOKEN_ENV = "SANDBOXD_MCP_TOKEN"
@@ -153,11 +154,10 @@ class Guard:
 
 
 async def _refuse(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    await _send_json(send, status, {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}},
-                     headers)
+    await _send_json(send, status, error_response(None, error_object(INVALID_REQUEST, message)), headers)
 
 
-async def _send_json(send: Send, status: int, answer: dict[str, Any],
+async def _send_json(send: Send, status: int, answer: ErrorResponse,
                      headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     body = json.dumps(answer).encode()
     await send({"type": "http.response.start", "status": status,

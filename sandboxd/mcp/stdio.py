@@ -31,8 +31,7 @@ from mcp.shared.message import SessionMessage
 
 from sandboxd.lines import LineBuffer
 from sandboxd.mcp.strict import duplicate_key_error
-
-PARSE_ERROR, INVALID_REQUEST = -32700, -32600
+from sandboxd.wire import INVALID_REQUEST, PARSE_ERROR, ErrorResponse, error_object, error_response
 
 
 class _Writer(asyncio.Protocol):
@@ -84,7 +83,7 @@ def _key(request_id: Any) -> Any:
     return ("s", request_id) if isinstance(request_id, str) else ("n", request_id)
 
 
-def decode(line: bytes) -> types.JSONRPCMessage | dict[str, Any]:
+def decode(line: bytes) -> types.JSONRPCMessage | ErrorResponse:
     """The message on ``line``, or the JSON-RPC error that answers it when it is not one."""
     refused = duplicate_key_error(line)
     if refused is not None:
@@ -108,8 +107,8 @@ def decode(line: bytes) -> types.JSONRPCMessage | dict[str, Any]:
                                                "batches are not accepted.")
 
 
-def _error(request_id: Any, code: int, message: str) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+def _error(request_id: Any, code: int, message: str) -> ErrorResponse:
+    return error_response(request_id, error_object(code, message))
 
 
 @asynccontextmanager
@@ -127,7 +126,7 @@ async def stdio_streams(*, max_line: int, max_in_flight: int = 64) -> AsyncItera
     out, writer = await loop.connect_write_pipe(_Writer, os.fdopen(stdout_fd, "wb", 0))
     in_flight = InFlight(max_in_flight)
 
-    async def write(message: dict[str, Any] | types.JSONRPCMessage) -> None:
+    async def write(message: ErrorResponse | types.JSONRPCMessage) -> None:
         if writer.closed.is_set():
             return
         if isinstance(message, dict):

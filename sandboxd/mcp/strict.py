@@ -9,14 +9,12 @@ and as another here. So such a message is refused, never guessed, as the daemon 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from sandboxd import strictjson
+from sandboxd.wire import INVALID_REQUEST, ErrorResponse, error_object, error_response
 
-INVALID_REQUEST = -32600
 
-
-def duplicate_key_error(data: bytes) -> dict[str, Any] | None:
+def duplicate_key_error(data: bytes) -> ErrorResponse | None:
     """The JSON-RPC error answering ``data`` when an object in it holds a key twice, else None.
 
     Anything else that is wrong with ``data`` is left to the SDK's parser to answer.
@@ -24,9 +22,8 @@ def duplicate_key_error(data: bytes) -> dict[str, Any] | None:
     try:
         strictjson.loads(data, unique_keys=True)
     except strictjson.DuplicateKey as exc:
-        return {"jsonrpc": "2.0", "id": _lone_id(data),
-                "error": {"code": INVALID_REQUEST, "message": f"{exc}; send every key of an object once. "
-                                                              "The message was not run."}}
+        return error_response(_lone_id(data), error_object(
+            INVALID_REQUEST, f"{exc}; send every key of an object once. The message was not run."))
     except (ValueError, RecursionError):
         pass
     return None

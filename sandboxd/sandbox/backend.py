@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from sandboxd.container import CONTAINER_TOOLS, CONTAINER_USER_TOOLS
-from sandboxd.egress.browser_relay import RelayForCall
+from sandboxd.rules.browser_relay import RelayForCall
 from sandboxd.egress.contract import Egress
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
-    from sandboxd.egress.secrets import StandIns
+    from sandboxd.rules.secrets import StandIns
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.esbuild import Esbuild
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, Mapping, Protocol, cast
+from typing import Mapping, Protocol, cast
 
 from sandboxd.errors import PeerRefused
 from sandboxd.lines import LineBuffer
-from sandboxd.server.rpc import INVALID_REQUEST, Dispatcher, Method, encode, error_body
+from sandboxd.server.rpc import Dispatcher, Method, error_body
+from sandboxd.wire import INVALID_REQUEST, Message, encode, error_object, error_response
 
 # Stop reading from a client whose responses pile up unread.
 _WRITE_HIGH_WATER = 8 << 20
@@ -109,7 +110,7 @@ class Connection(asyncio.Protocol):
             # One error line (RefusedPeers), then closed: a refused peer never reaches dispatch.
             self.closed = self._refused = True
             self._edge.refused_peers.refuse(
-                self.transport, encode({"jsonrpc": "2.0", "id": None, "error": error_body(PeerRefused(refusal))}))
+                self.transport, encode(error_response(None, error_body(PeerRefused(refusal)))))
             return
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         self._edge.opened(self)
@@ -145,9 +146,9 @@ class Connection(asyncio.Protocol):
                 if isinstance(line, bytes):
                     self._rpc.handle_line(line)
                 else:  # over the limit, and skipped
-                    self.send({"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": (
+                    self.send(error_response(None, error_object(INVALID_REQUEST, (
                         f"message longer than {self._lines.max_line} bytes; it was skipped. "
-                        "Send smaller messages (limit: max_message_bytes).")}})
+                        "Send smaller messages (limit: max_message_bytes)."))))
                 if handled >= LINES_PER_TURN and not self.closed:
                     # The rest stays in the buffer; reading waits until it is handled.
                     self._pause("turn")
@@ -176,6 +177,6 @@ class Connection(asyncio.Protocol):
         # connection stays for its answer, which RefusedPeers sends before closing it.
         return self._refused
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Message) -> None:
         if not self.closed and self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode(message))

@@ -5,6 +5,7 @@ result, or ``Later`` (work answered from a task when it completes; None means no
 answer), or raises. The dispatcher checks every message (docs/protocol.md), puts the
 id on the answer, and maps errors to the wire in one place (``error_body``): a
 SandboxdError carries its code, anything else is -32603 with the details in the log.
+The messages themselves, and the reading of a line, are sandboxd.wire's.
 
 Like the MCP SDK's session, the dispatcher owns the requests in flight: their ids, from
 the request to its answer (another request answered later may not take one meanwhile; one
@@ -18,14 +19,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Coroutine, Mapping, NamedTuple, Protocol, Union
 
-from sandboxd import strictjson
 from sandboxd.errors import InvalidParams, MethodNotFound, SandboxdError
 from sandboxd.logging import get_logger, source
+from sandboxd.wire import (CANCELLED, INTERNAL_ERROR, ErrorObject, Malformed, Message, error_object, error_response,
+                           is_request_id, parse_request, response)
 
 log = get_logger("sandboxd.server")
-
-PARSE_ERROR, INVALID_REQUEST, INTERNAL_ERROR = -32700, -32600, -32603
-CANCELLED = "notifications/cancelled"
 
 
 class InFlight(Protocol):
@@ -55,55 +54,32 @@ class Later(NamedTuple):
 Method = Callable[[Any, Any], Union[Result, Later]]  # (request id, params)
 
 
-encode = strictjson.dumps_line  # one message, one line
-
-
-def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "method": method, "params": params}
-
-
-def error_body(exc: BaseException, method: str | None = None) -> dict[str, Any]:
+def error_body(exc: BaseException, method: str | None = None) -> ErrorObject:
     """The one mapping of an error to the wire."""
     if not isinstance(exc, SandboxdError):
         log.error("request_failed", method=method, exc_info=exc, budget=source("method", method))
-        return {"code": INTERNAL_ERROR, "message": "internal error in sandboxd; the daemon's log has the details."}
-    error: dict[str, Any] = {"code": exc.code, "message": exc.message}
-    if exc.data is not None:
-        error["data"] = exc.data
-    return error
-
-
-def is_request_id(value: Any) -> bool:
-    """A string or a number (not a bool), that JavaScript reads back as itself."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):  # past a double's range, JavaScript reads it as Infinity
-        return abs(value) <= strictjson.MAX_DOUBLE_INT
-    return isinstance(value, (str, float))
+        return error_object(INTERNAL_ERROR, "internal error in sandboxd; the daemon's log has the details.")
+    return error_object(exc.code, exc.message, exc.data)
 
 
 class Dispatcher:
-    def __init__(self, send: Callable[[dict[str, Any]], None], methods: Mapping[str, Method]) -> None:
+    def __init__(self, send: Callable[[Message], None], methods: Mapping[str, Method]) -> None:
         self._send = send
         self._methods = methods
         self._in_flight: dict[Any, InFlight | None] = {}  # by request id, until answered
         # The tasks that answer them (the loop keeps only a weak reference), by id: dropped as they answer.
         self._answering: dict[Any, asyncio.Task[None]] = {}
 
-    def reply(self, request_id: Any, result: Result) -> None:
-        self._send({"jsonrpc": "2.0", "id": request_id, "result": result})
-
     def reply_error(self, request_id: Any, exc: BaseException, method: str | None = None) -> None:
-        self._send({"jsonrpc": "2.0", "id": request_id, "error": error_body(exc, method)})
+        self._send(error_response(request_id, error_body(exc, method)))
 
     def handle_line(self, line: bytes) -> None:
         try:
-            request_id, method, params, is_request = _parse(line)
-        except _Refused as refused:
+            request_id, method, params, is_request = parse_request(line)
+        except Malformed as malformed:
             if not line.strip():
                 return  # a blank line is no message (checked here only, so no line is stripped)
-            return self._send({"jsonrpc": "2.0", "id": refused.request_id,
-                               "error": {"code": refused.code, "message": refused.message}})
+            return self._send(malformed.answer())
         if not is_request:
             if method == CANCELLED:
                 self._cancel(params)
@@ -114,7 +90,7 @@ class Dispatcher:
                 raise MethodNotFound(f"unknown method {method!r}; the methods are {_names(self._methods)}.")
             answer = handler(request_id, params)
             if isinstance(answer, dict):
-                return self.reply(request_id, answer)
+                return self._send(response(request_id, answer))
             if request_id in self._in_flight:
                 answer.work.close()  # never started: nothing of it to undo
                 raise InvalidParams(f"id {request_id!r} is already used by a request in flight on this connection; "
@@ -134,7 +110,7 @@ class Dispatcher:
             return self.reply_error(request_id, exc, method)
         self._done(request_id)
         if result is not None:
-            self.reply(request_id, result)
+            self._send(response(request_id, result))
 
     def _done(self, request_id: Any) -> None:
         """Free the id before the answer goes out: a client may reuse it once answered. (The running
@@ -169,44 +145,6 @@ class Dispatcher:
         for request in self._in_flight.values():
             if request is not None:
                 request.resume()
-
-
-def _parse(line: bytes) -> tuple[Any, str, Any, bool]:
-    """(id, method, params, is a request) of a well-formed message; raises _Refused naming the problem."""
-    try:
-        message = strictjson.loads(line, unique_keys=True)
-    except UnicodeDecodeError:
-        raise _Refused(PARSE_ERROR, "message is not valid UTF-8; send UTF-8 JSON.") from None
-    except strictjson.DuplicateKey as exc:
-        # Which value would win is parser-dependent: refused, not guessed (docs/protocol.md).
-        raise _Refused(INVALID_REQUEST, f"{exc}; send every key of an object once.") from None
-    except RecursionError:
-        raise _Refused(PARSE_ERROR, "message is nested too deeply to parse.") from None
-    except ValueError as exc:
-        raise _Refused(PARSE_ERROR, f"message is not JSON: {exc}.") from None
-    if not isinstance(message, dict):
-        if isinstance(message, list):
-            raise _Refused(INVALID_REQUEST, "batches are not supported; send one request per line.")
-        raise _Refused(INVALID_REQUEST, "a message must be a JSON-RPC 2.0 object.")
-    request_id = message.get("id")
-    if request_id is not None and not is_request_id(request_id):
-        if isinstance(request_id, int) and not isinstance(request_id, bool):
-            # JavaScript reads it as Infinity: no client could match the answer to its request.
-            raise _Refused(INVALID_REQUEST, "'id' is a number too large for a double; use a smaller number or a string.")
-        raise _Refused(INVALID_REQUEST, "'id' must be a string or a number.")
-    method = message.get("method")
-    if message.get("jsonrpc") != "2.0" or not isinstance(method, str):
-        raise _Refused(INVALID_REQUEST, "not a JSON-RPC 2.0 request: it needs \"jsonrpc\": \"2.0\" and a \"method\" string.",
-                       request_id)
-    return request_id, method, message.get("params"), "id" in message
-
-
-class _Refused(Exception):
-    """A message that is not well-formed JSON-RPC 2.0: answered with ``code`` (and its id, when it had a usable one)."""
-
-    def __init__(self, code: int, message: str, request_id: Any = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.request_id = code, message, request_id
 
 
 def _names(methods: Mapping[str, Method]) -> str:

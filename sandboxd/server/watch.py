@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxd.errors import InvalidParams
-from sandboxd.server.rpc import notification
 from sandboxd.tools.discovery import ToolCatalog
 from sandboxd.users import check_user
+from sandboxd.wire import TOOLS_LIST_CHANGED, Message, notification
 
 WATCH_INTERVAL_S = 1.0
 MAX_WATCHES_PER_CONNECTION = 16  # users one connection may watch; a client serves one user or a few
 
-Send = Callable[[dict[str, Any]], None]
+Send = Callable[[Message], None]
 
 
 class ToolWatch:
@@ -78,7 +78,7 @@ class ToolWatch:
         for send, users in list(self._watchers.values()):
             for user in users:
                 if any(root in changed for root, _ in self._catalog.roots(user)):
-                    send(notification("notifications/tools/list_changed", {} if user is None else {"user": user}))
+                    send(notification(TOOLS_LIST_CHANGED, {} if user is None else {"user": user}))
 
     def _take(self, roots: list[tuple[Path, Any]]) -> dict[Path, Any]:
         return {root: self._catalog.fingerprint(root, source) for root, source in roots}

@@ -23,7 +23,7 @@ from urllib.parse import quote, unquote
 
 import pytest
 
-from sandboxd.egress.secrets import STAND_IN_PREFIX
+from sandboxd.rules.secrets import STAND_IN_PREFIX
 from tests.e2e.conftest import write_tool
 from tests.tls_certs import make_ca
 

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import pytest
 
-from sandboxd.egress.secrets import STAND_IN_PREFIX
+from sandboxd.rules.secrets import STAND_IN_PREFIX
 from tests.e2e.conftest import Daemon, write_tool
 from tests.tls_certs import make_ca
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.docker
 USER = "smuggler@example.com"
 NAME = "OFFICER_APIFY_TOKEN"
 REAL = "apify_api_REAL-smuggled-e2e"
-STAND_IN_LENGTH = len("sandboxd-stand-in-") + 32  # what {TOKEN} becomes in the tool (egress/secrets.py)
+STAND_IN_LENGTH = len("sandboxd-stand-in-") + 32  # what {TOKEN} becomes in the tool (rules/secrets.py)
 # Fixed ports: the daemon's namespace is new, so nothing else holds them. 18085 is the issue's.
 SERVERS = {"python": (18085, 18443), "h11": (18086, 18444), "node": (18087, 18445)}
 

@@ -16,11 +16,11 @@ import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
 from sandboxd.egress import session as session_module
-from sandboxd.egress.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
+from sandboxd.rules.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
 from sandboxd.egress.contract import EgressCall
-from sandboxd.egress.policy import AllowEntry, EgressPolicy
+from sandboxd.rules.policy import AllowEntry, EgressPolicy
 from sandboxd.egress.proxy import EgressProxy
-from sandboxd.egress.secrets import StandIns
+from sandboxd.rules.secrets import StandIns
 
 PUBLIC_V4 = "93.184.215.14"  # only ever judged, never connected to
 PUBLIC_V6 = "2606:2800:21f:cb07:6820:80da:af6b:8b2c"

@@ -7,7 +7,7 @@ import pytest
 
 from sandboxd.egress.echoes import AnswerScrubber
 from sandboxd.egress.http1 import MAX_HEAD_BYTES, Malformed
-from sandboxd.egress.secrets import StandIns
+from sandboxd.rules.secrets import StandIns
 
 VALUE = "tok en/with+odd=chars"
 ENCODED = "tok%20en%2Fwith%2Bodd%3Dchars"

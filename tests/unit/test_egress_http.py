@@ -120,7 +120,7 @@ def test_the_proxy_forwards_nothing_after_the_request_even_when_it_comes_later()
     one on the same connection; the upstream receives the first only, then the proxy's end of it."""
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
-    from sandboxd.egress.secrets import StandIns
+    from sandboxd.rules.secrets import StandIns
     from sandboxd.egress.contract import EgressCall
 
     async def scenario() -> tuple[bytes, bytes]:
@@ -171,7 +171,7 @@ def test_a_request_whose_call_was_answered_gets_no_value_and_reaches_nothing() -
     request that would carry its secret is refused (403) before a byte goes to the host."""
     from sandboxd.config import EgressConfig
     from sandboxd.egress.proxy import EgressProxy
-    from sandboxd.egress.secrets import StandIns
+    from sandboxd.rules.secrets import StandIns
     from sandboxd.egress.contract import EgressCall
 
     async def scenario() -> tuple[bytes, bytes]:

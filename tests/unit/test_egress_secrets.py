@@ -1,4 +1,4 @@
-"""egress.secrets: the stand-ins a sandbox holds, and the proxy putting the real values in (egress/secrets.py).
+"""egress.secrets: the stand-ins a sandbox holds, and the proxy putting the real values in (rules/secrets.py).
 
 The rewriting alone first (headers, query, percent-encoding, split and repeated stand-ins,
 which host a secret belongs to), then the proxy over real sockets to servers on 127.0.0.1,
@@ -22,7 +22,7 @@ import pytest
 from sandboxd.config import ConfigError, EgressConfig, load_config
 from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.proxy import EgressProxy
-from sandboxd.egress.secrets import STAND_IN_PREFIX, StandIns
+from sandboxd.rules.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.logging import configure_logging, secret_values
 from sandboxd.sandbox.backend import CallRequest
 from tests.tls_certs import make_ca

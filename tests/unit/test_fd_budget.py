@@ -15,7 +15,7 @@ import pytest
 
 from sandboxd.config import ConfigError, load_config
 from sandboxd.egress.contract import EgressCall
-from sandboxd.egress.secrets import StandIns
+from sandboxd.rules.secrets import StandIns
 from sandboxd.service import fds
 from sandboxd.service.fds import (CLIENT_REFUSING, EGRESS_REFUSING, RELAY_PIPE_FDS, RESERVED_FDS, SANDBOX_OWN_FDS,
                                   ClientShares, FdBudget, raise_nofile_limit)

@@ -10,8 +10,9 @@ from sandboxd.errors import ShuttingDown
 from sandboxd.server.calls.context import CallContext
 from sandboxd.server.calls.params import CallParams, parse_call_params
 from sandboxd.server.calls.runner import CallRunner
-from sandboxd.server.rpc import Later, notification
+from sandboxd.server.rpc import Later
 from sandboxd.tools.discovery import ScanNeeded, ToolCatalog
+from sandboxd.wire import Message, progress
 
 
 class Calls:
@@ -23,7 +24,7 @@ class Calls:
         self._stopping = stopping
         self.in_flight: set[CallContext] = set()  # from their first step to their answer: what shutdown waits for
 
-    def start(self, send: Callable[[dict[str, Any]], None], request_id: Any, params: Any) -> Later:
+    def start(self, send: Callable[[Message], None], request_id: Any, params: Any) -> Later:
         """The tools/call method (``send``: to its client): admit and check what can be checked now;
         the rest is the dispatcher's to await, and the context its cancels reach."""
         arrived = time.monotonic()
@@ -73,11 +74,10 @@ class _ProgressNotifier:
 
     __slots__ = ("_ctx", "_token", "_send", "_sent")
 
-    def __init__(self, ctx: CallContext, token: Any, send: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, ctx: CallContext, token: Any, send: Callable[[Message], None]) -> None:
         self._ctx, self._token, self._send, self._sent = ctx, token, send, 0
 
     def __call__(self, content: list[Any]) -> None:
         self._ctx.progressed()
         self._sent += 1
-        self._send(notification("notifications/progress", {"progressToken": self._token, "progress": self._sent,
-                                                           "content": content}))
+        self._send(progress(self._token, self._sent, content))

@@ -9,11 +9,11 @@ from typing import Any, Mapping
 
 from sandboxd.config import Config
 from sandboxd.container import reserved_env
-from sandboxd.egress.secrets import value_problem
+from sandboxd.rules.secrets import value_problem
 from sandboxd.errors import InvalidParams
-from sandboxd.server.rpc import is_request_id
 from sandboxd.tools.discovery import Tool, ToolCatalog
 from sandboxd.users import check_user
+from sandboxd.wire import is_request_id
 
 # A generated toolCallId: unique within this daemon's life, random across its starts
 # (a counter: no read of the kernel's random source per call).

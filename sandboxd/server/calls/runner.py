@@ -12,8 +12,8 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 from sandboxd.config import CallsConfig, Config
-from sandboxd.egress.browser_relay import relay_for_call
-from sandboxd.egress.secrets import NO_STAND_INS, StandIns
+from sandboxd.rules.browser_relay import relay_for_call
+from sandboxd.rules.secrets import NO_STAND_INS, StandIns
 from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox
@@ -165,7 +165,7 @@ class CallRunner:
         """What the shim is sent, and what the sandbox holds this call to."""
         config = self.config
         if call.env:
-            # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (egress/secrets.py).
+            # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (rules/secrets.py).
             env, stand_ins = StandIns.for_call(call.env, config.egress.secrets)
             # Only a call whose env names the relay's port gets one (relay_for_call).
             relay = relay_for_call(config.integrations.relay, call.env)

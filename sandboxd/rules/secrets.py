@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 from urllib.parse import quote
 
-from sandboxd.egress.policy import AllowEntry, parse_address
+from sandboxd.rules.policy import AllowEntry, parse_address
 
 STAND_IN_PREFIX = "sandboxd-stand-in-"
 # An egress.secrets entry written so lets the value go in plain HTTP (allow_unsafe: [secrets_in_clear]).

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sandboxd.egress.policy import Verdict, is_host_name, parse_address
+from sandboxd.rules.policy import Verdict, is_host_name, parse_address
 
 # What the shim asks the proxy for: under .invalid (RFC 6761), a name that never resolves, so it
 # can never be a real destination that this one shadows.

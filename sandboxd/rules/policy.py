@@ -5,7 +5,7 @@ asked for (the policy ``none``, a port not allowed, a name an allow-list never
 names: refused without a DNS query), then ``for_address`` with each address the name
 resolved to. The proxy connects to an address this module allowed and to no other,
 so a name that resolves to a public address once and a private one later (DNS
-rebinding) gets nowhere. Which addresses are public is egress/addresses.py's to say.
+rebinding) gets nowhere. Which addresses are public is rules/addresses.py's to say.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from sandboxd.egress.addresses import SCOPED, IPAddress, IPNetwork, refused_class
+from sandboxd.rules.addresses import SCOPED, IPAddress, IPNetwork, refused_class
 
 PolicyName = Literal["public", "allow-list", "none"]
 
