@@ -15,8 +15,8 @@ from sandboxd.config.defaults import (BRIDGE_NETWORK, DEFAULT_EMAIL_DB, EMAIL_DB
 from sandboxd.config.sections import (CallsConfig, EgressConfig, IntegrationsConfig, MetricsConfig, PoolConfig,
                                       SandboxConfig, Section)
 from sandboxd.config.storage import StorageConfig
-from sandboxd.rules.secrets import CLEAR_SCHEME
 from sandboxd.errors import ConfigError
+from sandboxd.rules.secrets import CLEAR_SCHEME
 
 
 def _resolve_ids(value: Any, lookup: Callable[[str], int], kind: str) -> Any:

@@ -43,13 +43,13 @@ import weakref
 from typing import Awaitable, Callable
 
 from sandboxd.config import EgressConfig
-from sandboxd.rules.browser_relay import BrowserRelay
 from sandboxd.egress.contract import EgressContext
-from sandboxd.rules.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
 from sandboxd.egress.request import Refused
-from sandboxd.rules.secrets import parse_secret_hosts
 from sandboxd.egress.session import EgressSession
 from sandboxd.logging import get_logger
+from sandboxd.rules.browser_relay import BrowserRelay
+from sandboxd.rules.policy import EgressPolicy, IPAddress, Verdict, host_addresses, parse_address
+from sandboxd.rules.secrets import parse_secret_hosts
 
 log = get_logger("sandboxd.egress")
 

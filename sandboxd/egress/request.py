@@ -7,9 +7,9 @@ import asyncio
 import socket
 from urllib.parse import urlsplit
 
+from sandboxd.egress.http1 import MAX_HEAD_BYTES, Head, Malformed, RequestReader
 from sandboxd.rules.addresses import SCOPED
 from sandboxd.rules.browser_relay import RELAY_NAME
-from sandboxd.egress.http1 import MAX_HEAD_BYTES, Head, Malformed, RequestReader
 from sandboxd.rules.policy import IPAddress, Verdict, is_host_name, parse_address
 
 HEAD_TIMEOUT_S = 10.0

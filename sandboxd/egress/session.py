@@ -10,18 +10,18 @@ import socket
 import ssl
 from typing import Awaitable, Callable, Protocol
 
-from sandboxd.rules.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
 from sandboxd.egress.contract import EgressContext
 from sandboxd.egress.echoes import AnswerScrubber
 from sandboxd.egress.grants import GRANT_ENDED
 from sandboxd.egress.http1 import Malformed, RequestReader
 from sandboxd.egress.pacing import Debt, Share, Shares
-from sandboxd.rules.policy import AllowEntry, EgressPolicy, IPAddress, Verdict, parse_address
 from sandboxd.egress.relay import UNSENT_BYTES, Relay
 from sandboxd.egress.request import (HEAD_TIMEOUT_S, NoRequest, Refused, parse_request, read_head, refusal_message,
                                      reply)
-from sandboxd.rules.secrets import Rewrite, StandIns, names_host
 from sandboxd.logging import get_logger, masking, source
+from sandboxd.rules.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
+from sandboxd.rules.policy import AllowEntry, EgressPolicy, IPAddress, Verdict, parse_address
+from sandboxd.rules.secrets import Rewrite, StandIns, names_host
 from sandboxd.service.fds import EGRESS_REFUSING
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 

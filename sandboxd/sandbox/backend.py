@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from sandboxd.container import CONTAINER_TOOLS, CONTAINER_USER_TOOLS
-from sandboxd.rules.browser_relay import RelayForCall
 from sandboxd.egress.contract import Egress
+from sandboxd.rules.browser_relay import RelayForCall
 
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig

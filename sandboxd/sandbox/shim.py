@@ -24,10 +24,10 @@ from typing import Any, Callable
 from sandboxd import strictjson, wire
 from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.grants import CallGrant
-from sandboxd.rules.secrets import NO_STAND_INS
 from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, masking, source
+from sandboxd.rules.secrets import NO_STAND_INS
 from sandboxd.sandbox.backend import CallGuard, CallRequest, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from sandboxd.config import ConfigError, load_config, needs_restart
-from sandboxd.rules.browser_relay import RELAY_NAME, BrowserRelay, RelayForCall, relay_for_call, tunnel_verdict
 from sandboxd.egress.contract import EgressCall
+from sandboxd.rules.browser_relay import RELAY_NAME, BrowserRelay, RelayForCall, relay_for_call, tunnel_verdict
 from sandboxd.rules.secrets import StandIns
 from sandboxd.sandbox.backend import CallRequest
 from tests.unit.test_egress import Upstream, exchange, make_proxy

@@ -16,10 +16,10 @@ import pytest
 
 from sandboxd.config import ConfigError, EgressConfig, load_config
 from sandboxd.egress import session as session_module
-from sandboxd.rules.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
 from sandboxd.egress.contract import EgressCall
-from sandboxd.rules.policy import AllowEntry, EgressPolicy
 from sandboxd.egress.proxy import EgressProxy
+from sandboxd.rules.addresses import IPV4_SPECIAL, IPV6_CARRIERS, IPV6_SPECIAL, OWN_HOST, SCOPED, refused_class
+from sandboxd.rules.policy import AllowEntry, EgressPolicy
 from sandboxd.rules.secrets import StandIns
 
 PUBLIC_V4 = "93.184.215.14"  # only ever judged, never connected to

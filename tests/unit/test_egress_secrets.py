@@ -22,8 +22,8 @@ import pytest
 from sandboxd.config import ConfigError, EgressConfig, load_config
 from sandboxd.egress.contract import EgressCall
 from sandboxd.egress.proxy import EgressProxy
-from sandboxd.rules.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.logging import configure_logging, secret_values
+from sandboxd.rules.secrets import STAND_IN_PREFIX, StandIns
 from sandboxd.sandbox.backend import CallRequest
 from tests.tls_certs import make_ca
 from tests.unit.test_server import USER, Harness, serving

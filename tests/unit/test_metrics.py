@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sandboxd import __version__
 from sandboxd.config import load_config
 from sandboxd.egress.contract import EgressCall
-from sandboxd.rules.secrets import StandIns
 from sandboxd.errors import ConfigError
 from sandboxd.logging import configure_logging, lines_dropped, set_log_budget
+from sandboxd.rules.secrets import StandIns
 from sandboxd.sandbox.backend import CallRequest
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.server.server import Server

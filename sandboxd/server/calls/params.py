@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from sandboxd.config import Config
 from sandboxd.container import reserved_env
-from sandboxd.rules.secrets import value_problem
 from sandboxd.errors import InvalidParams
+from sandboxd.rules.secrets import value_problem
 from sandboxd.tools.discovery import Tool, ToolCatalog
 from sandboxd.users import check_user
 from sandboxd.wire import is_request_id

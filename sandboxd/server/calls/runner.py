@@ -12,10 +12,10 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 from sandboxd.config import CallsConfig, Config
-from sandboxd.rules.browser_relay import relay_for_call
-from sandboxd.rules.secrets import NO_STAND_INS, StandIns
 from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
 from sandboxd.logging import admitted, get_logger, secret_values, source
+from sandboxd.rules.browser_relay import relay_for_call
+from sandboxd.rules.secrets import NO_STAND_INS, StandIns
 from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls.context import (CallContext, GraceExpired, Killed, ProgressBudget, ProgressCapExceeded,
