@@ -44,7 +44,7 @@ class PoolConfig(Section):
     min_idle: int = Field(1, ge=0, description="Warm sandboxes kept for a user after their first call.")
     idle_ttl_s: float = Field(300.0, gt=0, description="A user idle this long loses their warm sandboxes.")
     # Each replacement costs ~0.15 s of CPU (node, esbuild, docker create/start): at 500 a
-    # busy daemon spent most of a core on them (docs/performance.md).
+    # busy daemon spent most of a core on them (CHANGELOG.md, 2026-12-01).
     max_calls_per_sandbox: int = Field(10_000, ge=1, description="A sandbox is recycled after this many calls.")
     # Lambda's unreserved-concurrency floor, for users: while others hold the rest of the pool, a
     # user with nothing running still finds a slot at once (docs/design.md, "Sharing the pool").

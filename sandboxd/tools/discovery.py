@@ -6,7 +6,7 @@ identity of their TOOL.md (path, mtime, size, inode), so listing an unchanged
 tree re-parses nothing. Every tools/call looks its tool up this way: a root no
 inotify event touched since its scan (inotify.py), or else whose fingerprint (a stat
 of the root, of each entry in it, of its TOOL.md and entry file) is unchanged,
-answers from the last scan, instead of a walk with realpath checks (docs/performance.md).
+answers from the last scan, instead of a walk with realpath checks (CHANGELOG.md, 2026-12-01).
 
 Sandboxes mount only the tools roots, and the daemon reads TOOL.md on the host:
 a tool directory, TOOL.md or entry file that resolves outside its root is

@@ -1,4 +1,4 @@
-"""The global tools transpiled once, on the host, for every sandbox to read (docs/performance.md).
+"""The global tools transpiled once, on the host, for every sandbox to read (CHANGELOG.md, 2026-12-01).
 
 A sandbox's shim transpiles each TypeScript file (and each .js/.mjs of a tool) with
 esbuild before Node loads it. Starting esbuild's service costs ~30 ms in every sandbox,

@@ -422,7 +422,7 @@ def test_warm_on_a_full_pool_leaves_no_trace_of_the_user() -> None:
 
 def test_a_warm_call_looks_at_its_own_users_sandboxes_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # With 100 users each holding warm sandboxes, a call walking the whole pool twice (its
-    # acquire and its release) cost ~270 µs more than with one user (docs/performance.md).
+    # acquire and its release) cost ~270 µs more than with one user (CHANGELOG.md, 2026-12-01).
     async def main() -> None:
         backend = FakeBackend()
         pool = make_pool(backend, max_per_user=4, max_total=300, min_idle=1, max_calls_per_sandbox=1000)
