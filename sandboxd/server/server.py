@@ -9,9 +9,9 @@ import asyncio
 import functools
 import hashlib
 import os
-import signal
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from sandboxd import __version__
@@ -25,6 +25,8 @@ from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
 from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.data_path import check_data_path_mount, lock_data_path
+from sandboxd.server.lifecycle import Lifecycle
+from sandboxd.server.orphans import OrphanSweep
 from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Later, Method
 from sandboxd.server.watch import ToolWatch
@@ -45,6 +47,7 @@ MAINTENANCE_INTERVAL_S = 1.0
 OVER_QUOTA_KILL = ("sandboxd: this user's folders went over their disk quota, so the call was stopped and their "
                    "sandboxes replaced; new calls are refused until they hold less. Delete files to free space.")
 ACCEPTS_PER_TURN = 16  # clients accepted before the loop's other work gets a turn
+CANCELLED_CALLS_WAIT_S = 5.0  # at shutdown, for the calls cancelled past the grace to answer
 
 
 def instance_id(config: Config) -> str:
@@ -56,7 +59,21 @@ def instance_id(config: Config) -> str:
     return hashlib.sha256(str(config.data_path.resolve()).encode()).hexdigest()[:12]
 
 
+@dataclass
+class _Held:
+    """What start-up takes and shutdown gives back."""
+
+    data_lock: int | None = None  # the fd holding the data path's lock (server/data_path.py)
+    listener: socket.socket | None = None
+    owns_socket_file: bool = True  # not when systemd passed the socket: it outlives this process
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the maintenance tick and the tool watch
+    # The transpile cache's start, held here only: shutdown stops the cache itself.
+    transpile_start: asyncio.Task[None] | None = None
+
+
 class Server:
+    """The daemon's parts, built whole here; ``startup`` takes what a run holds, ``shutdown`` gives it back."""
+
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
         # Beside the API socket: a runtime directory the engine sees at the same path (unlike a service's private /tmp).
@@ -81,20 +98,20 @@ class Server:
         self.peer_policy = PeerPolicy.from_config(config)
         self.connections: set[Connection] = set()
         self.refused_peers = RefusedPeers()  # answers, then closes, peers allowed_uids/allowed_gids refuse
-        self.started_at = time.monotonic()
-        self._listener: socket.socket | None = None
-        # Set at start-up from RLIMIT_NOFILE (service/fds.py): what sandboxes and clients may hold.
-        self.fd_budget: FdBudget | None = None
+        # Planned at start-up from RLIMIT_NOFILE (service/fds.py): what clients, and sandboxes, may hold.
         self.clients: ClientShares | None = None
-        self._maintenance: asyncio.Task[None] | None = None
-        self._watching: asyncio.Task[None] | None = None
-        self._transpile_start: asyncio.Task[None] | None = None
-        self._orphans_removed = False
-        self._orphan_warning_logged = False
-        self.orphans_reaped = 0
-        self._data_lock: int | None = None  # the fd holding the data path's lock (server/data_path.py)
-        self._owns_socket_file = True  # not when systemd passed the socket: it outlives this process
+        self.orphans = OrphanSweep(self.backend, config.data_path)
+        self._held = _Held()
+        self.started_at = time.monotonic()
         self._reloading = asyncio.Lock()
+
+    @property
+    def fd_budget(self) -> FdBudget | None:
+        return None if self.clients is None else self.clients.budget
+
+    @property
+    def orphans_reaped(self) -> int:
+        return self.orphans.reaped
 
     def spec_for(self, user: str) -> SandboxSpec:
         return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory,
@@ -106,25 +123,25 @@ class Server:
         cfg = self.config
         self._plan_fds()  # first: a configuration the limit cannot hold stops start-up before it touches anything
         global_tools_dir(cfg.data_path).mkdir(parents=True, exist_ok=True)
-        self._data_lock = lock_data_path(cfg.data_path)  # before the orphans: a second daemon here would take the first's sandboxes for them
+        held = self._held
+        held.data_lock = lock_data_path(cfg.data_path)  # before the orphans: a second daemon here would take the first's sandboxes for them
         if cfg.seed_tools is not None:
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
         await self.check(cfg)  # a rootless or remote engine: one line now, not an error per call
-        await self._remove_orphans()
-        self._transpile_start = asyncio.get_running_loop().create_task(self._start_transpile_cache())
+        await self.orphans.sweep()
+        loop = asyncio.get_running_loop()
+        held.transpile_start = loop.create_task(self._start_transpile_cache())
         check_data_path_mount(cfg.data_path)
         await asyncio.to_thread(self.storage.resolve)  # `enforcement: hard` that cannot be had stops start-up here
         await self.storage.start()
         if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
-        self._owns_socket_file = listen_socket is None
-        sock = listen_socket or self._bind_socket()
+        held.owns_socket_file = listen_socket is None
+        sock = held.listener = listen_socket or self._bind_socket()
         sock.setblocking(False)
-        self._listener = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
-        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
-        self._watching = asyncio.get_running_loop().create_task(self.watch.run())
+        loop.add_reader(sock.fileno(), self._accept)
+        held.tasks += [loop.create_task(self._maintain()), loop.create_task(self.watch.run())]
         address = sock.getsockname() or "(unnamed)"
         if address != str(cfg.socket):
             # Clients (and `sandboxd status`) look for `socket`; a mismatch means they will not find us.
@@ -132,7 +149,7 @@ class Server:
                         hint="set `socket` to the ListenStream= path of sandboxd.socket")
         log.info("listening", socket=address, activated=listen_socket is not None, backend=self.backend.name,
                  data_path=str(cfg.data_path), version=__version__, image=cfg.sandbox.image,
-                 peer_check=self.peer_policy.restricted, event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+                 peer_check=self.peer_policy.restricted, event_loop=type(loop).__module__.split(".")[0])
         if self.backend.name == "process":
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
@@ -140,7 +157,7 @@ class Server:
 
     def _plan_fds(self) -> None:
         soft, hard, limit = raise_nofile_limit()
-        budget = self.fd_budget = FdBudget.plan(self.config, limit)  # ConfigError: exit 2, naming the keys
+        budget = FdBudget.plan(self.config, limit)  # ConfigError: exit 2, naming the keys
         self.clients = ClientShares(budget)
         log.info("fd_budget", limit=limit, soft_at_start=soft, hard=hard, reserved=budget.reserved,
                  per_sandbox=budget.per_sandbox, egress_connections=self.config.egress.max_connections,
@@ -150,7 +167,7 @@ class Server:
         """Accept what waits on the socket, ACCEPTS_PER_TURN at most (a flood of connects must not hold the
         loop). Each connection counts against its peer uid's share, past which it is refused, then closed
         unanswered; while every client descriptor is in use, accepting stops and newcomers wait in the backlog."""
-        listener, clients = self._listener, self.clients
+        listener, clients = self._held.listener, self.clients
         assert listener is not None and clients is not None
         loop = asyncio.get_running_loop()
         for _ in range(ACCEPTS_PER_TURN):
@@ -209,28 +226,13 @@ class Server:
             in_use_hint="is another sandboxd running? Stop it or pass --socket.",
         )
 
-    async def _remove_orphans(self) -> None:
-        try:
-            removed = await self.backend.remove_orphans()
-        except Exception as exc:
-            # Retried every maintenance tick until the engine answers; said once.
-            if not self._orphan_warning_logged:
-                log.warning("orphan_cleanup_deferred", error=str(exc))
-                self._orphan_warning_logged = True
-            return
-        self._orphans_removed = True
-        self.orphans_reaped += removed
-        if removed:
-            log.info("orphans_removed", count=removed, data_path=str(self.config.data_path),
-                     reason="sandboxes an earlier run on this data path left (their instance label is its hash)")
-
     async def _maintain(self) -> None:
         summarized = time.monotonic()
         while True:
             await asyncio.sleep(MAINTENANCE_INTERVAL_S)
             self.pool.maintain()
-            if not self._orphans_removed:
-                await self._remove_orphans()
+            if not self.orphans.done:
+                await self.orphans.sweep()
             if time.monotonic() - summarized >= SUMMARY_INTERVAL_S:
                 summarized = time.monotonic()
                 log_dropped_summary()  # one line for what the log's budgets dropped
@@ -372,8 +374,8 @@ class Server:
         change = config_change(self.config, new)
         effective, applied, ignored = change.config, change.applied, change.needs_restart
         self._use(effective)
-        if self.fd_budget is not None and self.clients is not None:  # check() saw it fit; the clients' share follows
-            self.fd_budget = self.clients.budget = FdBudget.plan(effective, self.fd_budget.limit)
+        if self.clients is not None:  # check() saw it fit; the clients' share follows
+            self.clients.budget = FdBudget.plan(effective, self.clients.budget.limit)
         if "log_level" in applied:
             set_log_level(effective.log_level)
         if "log_rate" in applied or "log_burst" in applied:
@@ -394,35 +396,49 @@ class Server:
     # -- shutdown --------------------------------------------------------------
 
     async def shutdown(self) -> None:
+        """In a fixed order, bounded by pool.shutdown_grace_s and CANCELLED_CALLS_WAIT_S:
+
+        1. Stop accepting connections, and remove the socket file so clients fail fast; stop the
+           metrics endpoint, the maintenance tick and the tool watch.
+        2. Let calls in flight finish, up to the grace period.
+        3. Cancel what is left: each answers ``cancelled`` and its sandbox is killed.
+        4. Destroy every sandbox (busy ones were released by their calls above).
+        5. Close client connections, then the backend, the egress proxy, the tools, the quota, the data path's lock.
+        """
         self.stopping = True
         grace = self.config.pool.shutdown_grace_s
         log.info("shutting_down", calls_in_flight=len(self.calls.in_flight), grace_s=grace)
-        # 1. Stop accepting connections, and remove the socket file so clients fail fast.
-        if self._listener is not None:
-            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        await self._stop_accepting()  # 1
+        await self._drain(grace)  # 2, 3
+        await self.pool.close(grace=0)  # 4
+        await self._close()  # 5
+        log_dropped_summary()
+        log.info("stopped")
+
+    async def _stop_accepting(self) -> None:
+        held = self._held
+        if held.listener is not None:
+            asyncio.get_running_loop().remove_reader(held.listener.fileno())
             if self.clients is not None:
                 self.clients.when_room = None
-            self._listener.close()
-            if self._owns_socket_file:
+            held.listener.close()
+            if held.owns_socket_file:
                 self.config.socket.unlink(missing_ok=True)
         await self.metrics.close()
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-        if self._watching is not None:
-            self._watching.cancel()
-        # 2. Let calls in flight finish, up to the grace period.
+        for task in held.tasks:
+            task.cancel()
+
+    async def _drain(self, grace: float) -> None:
         deadline = time.monotonic() + grace
         while self.calls.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        # 3. Cancel what is left: each answers `cancelled` and its sandbox is killed.
         for ctx in list(self.calls.in_flight):
             ctx.cancel("sandboxd is shutting down", grace=0.0)
         tasks = [ctx.task for ctx in self.calls.in_flight if ctx.task is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=5)
-        # 4. Destroy every sandbox (busy ones were released by their calls above).
-        await self.pool.close(grace=0)
-        # 5. Close client connections, then the backend.
+            await asyncio.wait(tasks, timeout=CANCELLED_CALLS_WAIT_S)
+
+    async def _close(self) -> None:
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
@@ -431,61 +447,20 @@ class Server:
         self.catalog.close()  # a scan still running in a worker is not waited for
         self.transpile_cache.stop()
         self.storage.close()
-        if self._data_lock is not None:
-            os.close(self._data_lock)
-            self._data_lock = None
-        log_dropped_summary()
-        log.info("stopped")
+        if self._held.data_lock is not None:
+            os.close(self._held.data_lock)
+            self._held.data_lock = None
 
 
 async def serve(config: Config, backend: Backend | None = None, *, listen_socket: socket.socket | None = None,
                 ready: Any = None, reload_config: Callable[[], Config] | None = None) -> None:
-    """Run until SIGTERM or SIGINT; SIGHUP reloads via ``reload_config``. ``ready`` is called once the socket listens.
-
-    Under systemd (Type=notify) it reports READY=1 once the seed sync is done and the
-    socket listens, RELOADING=1/READY=1 around a reload, STOPPING=1 at shutdown, and
-    feeds the watchdog when WatchdogSec= is set.
-    """
+    """Run until SIGTERM or SIGINT; SIGHUP reloads via ``reload_config``. ``ready`` is called once the socket
+    listens. Signals and systemd's notifications are the lifecycle's (server/lifecycle.py)."""
     server = Server(config, backend)
-    notifier = systemd.Notifier.from_environ()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    reloads: set[asyncio.Task[None]] = set()
-
-    async def reload(load: Callable[[], Config]) -> None:
-        notifier.reloading()
-        await server.reload(load)
-        notifier.ready(server.describe())
-
-    def on_hangup() -> None:
-        if reload_config is None:
-            log.warning("reload_unavailable", hint="this daemon was started without a configuration source to re-read")
-            return
-        task = loop.create_task(reload(reload_config))  # the check before it applies asks the engine
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    # Installed for the whole run: a second signal during shutdown must not kill the
-    # daemon half-way (its containers would be left behind); shutdown is bounded anyway.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, on_hangup)  # unhandled, SIGHUP would kill the daemon
-    supervisor: asyncio.Task[None] | None = None
-    try:
-        notifier.status("starting: syncing seed tools, removing orphaned sandboxes")
-        await server.startup(listen_socket)
-        notifier.ready(server.describe())
-        if notifier.enabled:
-            supervisor = loop.create_task(systemd.supervise(notifier, server.describe, systemd.watchdog_interval()))
+    run = Lifecycle(server, reload_config, systemd.Notifier.from_environ())
+    with run.signals():
+        await run.startup(listen_socket)
         if ready is not None:
             ready(server)
-        await stop.wait()
-        notifier.stopping(f"stopping: letting {len(server.calls.in_flight)} calls finish")
-        await server.shutdown()
-    finally:
-        if supervisor is not None:
-            supervisor.cancel()
-        notifier.close()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        await run.main_loop()
+        await run.shutdown()
