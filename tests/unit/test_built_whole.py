@@ -26,7 +26,8 @@ def _targets(node: ast.AST) -> list[ast.expr]:
 
 def _wired_after(init: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[int, str]]:
     """Assignments in ``init`` to ``self.<part>.<attribute>``, with their lines."""
-    return [(node.lineno, ast.unparse(target)) for node in ast.walk(init) for target in _targets(node)
+    return [(node.lineno, ast.unparse(target)) for node in ast.walk(init) if isinstance(node, ast.stmt)
+            for target in _targets(node)
             if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)
             and isinstance(target.value.value, ast.Name) and target.value.value.id == "self"]
 
