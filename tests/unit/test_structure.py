@@ -1,5 +1,5 @@
 """The daemon's structure, checked like its behaviour (issue 37): no function too tangled to
-follow, no import cycle, no module too long to hold in mind.
+follow, no module too long to hold in mind. Imports (layers, cycles) are tests/unit/test_layers.py's.
 
 Each check names what breaks it and where. The allow-lists hold what is known and owned
 elsewhere; they only shrink: an entry that no longer needs its room fails the test too, so
@@ -8,7 +8,6 @@ the list says the truth.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from radon.complexity import cc_visit
@@ -62,99 +61,3 @@ def test_no_module_is_over_500_lines() -> None:
     stale = [f"{path} (now {lines.get(path, 'gone')})" for path in LINES_ALLOWED
              if lines.get(path, 0) <= MAX_LINES]
     assert not stale, "LINES_ALLOWED lists modules no longer over the limit; remove: " + ", ".join(stale)
-
-
-# -- import cycles -----------------------------------------------------------------------------
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports_of(path: Path, known: set[str]) -> dict[str, int]:
-    """The sandboxd modules ``path`` imports, each with the line of its first import.
-
-    Counted: imports at module level, inside functions and under ``if TYPE_CHECKING:`` alike (a
-    function's import runs as surely as the module's, only later: it hides a cycle rather than
-    removing it; a type-only import still means neither module can be read without the other, as
-    sandbox/backend.py and tools/transpile_cache.py could not, issue 37). ``from a.b import c`` is an
-    import of ``a.b.c`` when that is a module, else of ``a.b``; the parent packages an import
-    runs on the way (``a``'s ``__init__``) are not counted, or every package re-exporting its
-    modules would be a cycle with each of them.
-    """
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: dict[str, int] = {}
-
-    def add(target: str, line: int) -> None:
-        if target in known and target != name:
-            found.setdefault(target, line)
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                for alias in child.names:
-                    add(alias.name, child.lineno)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    anchor = package.rsplit(".", child.level - 1)[0] if child.level > 1 else package
-                    base = f"{anchor}.{base}" if base else anchor
-                for alias in child.names:
-                    add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base, child.lineno)
-            visit(child)
-
-    visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-    return found
-
-
-def import_graph() -> dict[str, dict[str, int]]:
-    paths = {module_name(path): path for path in modules()}
-    known = set(paths)
-    return {name: imports_of(path, known) for name, path in paths.items()}
-
-
-def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
-    """One cycle of ``graph`` as the modules along it (first == last), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def walk(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for target in sorted(graph.get(node, {})):
-            if state.get(target) == 1:
-                return path[path.index(target):] + [target]
-            if target not in state:
-                cycle = walk(target)
-                if cycle:
-                    return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state:
-            cycle = walk(start)
-            if cycle:
-                return cycle
-    return None
-
-
-def test_no_import_cycles_among_sandboxds_modules() -> None:
-    graph = import_graph()
-    cycle = find_cycle(graph)
-    if cycle:
-        hops = [f"{a} imports {b} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
-        raise AssertionError("an import cycle; move what both need into a module below them, or pass it in:\n  "
-                             + "\n  ".join(hops))
-
-
-def test_the_cycle_finder_finds_a_cycle_and_the_graph_sees_imports_in_functions() -> None:
-    # The check above can fail: a cycle through a function's import is found and reported.
-    assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b": 1}, "b": {}}) is None
-    graph = import_graph()
-    assert "sandboxd.sandbox.pool" in graph["sandboxd.server.calls.runner"]
-    assert "sandboxd.tools.discovery" in graph["sandboxd.sandbox.backend"]  # under TYPE_CHECKING: counted too
