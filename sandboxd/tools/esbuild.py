@@ -16,6 +16,8 @@ from pathlib import Path
 from sandboxd.logging import get_logger
 
 log = get_logger("sandboxd.tools")
+# The runner image's Node (images/node/runtime); the shim's loader.js transpiles for the same one.
+NODE_TARGET = "node24"
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Esbuild:
         """What the shim's transformSync would make of ``source``; None if esbuild warned or failed
         (the shim then transpiles it itself, and says so in the call's log as before)."""
         url = "file://" + filename  # a plain path: pathToFileURL() encodes nothing in it
-        args = [str(self.binary), f"--loader={loader}", "--format=cjs", "--platform=node", "--target=node20",
+        args = [str(self.binary), f"--loader={loader}", "--format=cjs", "--platform=node", f"--target={NODE_TARGET}",
                 "--sourcemap=inline", "--sources-content=false", f"--sourcefile={filename}",
                 "--supported:dynamic-import=false", f"--define:import.meta.url={json.dumps(url)}",
                 f"--define:import.meta.filename={json.dumps(filename)}",

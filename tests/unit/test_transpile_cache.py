@@ -12,7 +12,7 @@ import pytest
 
 from sandboxd.tools import transpile_cache
 from sandboxd.tools.discovery import ToolCatalog
-from sandboxd.tools.esbuild import Esbuild
+from sandboxd.tools.esbuild import NODE_TARGET, Esbuild
 from sandboxd.tools.transpile_cache import fill
 
 SHIM = Path(__file__).resolve().parents[2] / "images" / "node" / "shim"
@@ -39,6 +39,11 @@ def tools_root(tmp_path: Path) -> Path:
     (root / "hello" / "index.ts").write_text("\ufeff" + TOOL_TS)  # the shim drops a BOM before hashing
     (root / "hello" / "greet.ts").write_text(GREET_TS)
     return root
+
+
+def test_the_host_transpiles_for_the_node_the_shim_transpiles_for() -> None:
+    """An entry is what the shim would make: one target on both sides (runtime.test.js ties it to the image's Node)."""
+    assert f"const NODE_TARGET = '{NODE_TARGET}';" in (SHIM / "src" / "loader.js").read_text()
 
 
 def run_shim_loader(root: Path, cache: Path) -> dict[str, object]:

@@ -28,7 +28,7 @@ const relay = require('./relay');
 const MAX_HEAD_BYTES = 16 * 1024; // the proxy's response head; more is not the proxy
 const MAX_BODY_BYTES = 4 * 1024; // of a refusal's body: one line of text is expected
 const MAX_MESSAGE_CHARS = 1000;
-// Node 20's bundled undici (behind fetch) and the npm package both read the global
+// Node's bundled undici (behind fetch) and the npm package both read the global
 // dispatcher from this symbol (lib/global.js), and set it only when it is undefined.
 const GLOBAL_DISPATCHER = Symbol.for('undici.globalDispatcher.1');
 const PROXY_ENV = ['HTTP_PROXY', 'HTTPS_PROXY', 'http_proxy', 'https_proxy'];

@@ -16,6 +16,8 @@ const crypto = require('node:crypto');
 const { pathToFileURL } = require('node:url');
 const { performance } = require('node:perf_hooks');
 
+// The Node that runs the shim (images/node/runtime); sandboxd/tools/esbuild.py transpiles for the same one.
+const NODE_TARGET = 'node24';
 const TS_LOADERS = { '.ts': 'ts', '.mts': 'ts', '.cts': 'ts', '.tsx': 'tsx' };
 const JS_ALTERNATIVES = { '.js': ['.ts', '.tsx'], '.jsx': ['.tsx'], '.mjs': ['.mts'], '.cjs': ['.cts'] };
 
@@ -163,7 +165,7 @@ function transpile(filename, source, loader) {
       loader,
       format: 'cjs',
       platform: 'node',
-      target: 'node20',
+      target: NODE_TARGET,
       sourcemap: 'inline',
       sourcesContent: false,
       sourcefile: filename,
@@ -326,4 +328,4 @@ function load(entry) {
   return { mod, filename };
 }
 
-module.exports = { install, load, prewarm, warmUp, stats, ToolLoadError };
+module.exports = { install, load, prewarm, warmUp, stats, ToolLoadError, NODE_TARGET };
