@@ -107,7 +107,18 @@ def test_under_gvisor_a_sentry_it_may_not_signal_is_left_to_the_engine_and_said_
     assert sleeper.poll() is None
     assert engine.calls == ["inspect", "remove", "inspect", "remove"]
     assert [w["event"] for w in warnings] == ["sandbox_killed_through_gvisor"]
-    assert warnings[0]["reason"] == "not_permitted" and "CAP_KILL" in warnings[0]["fix"]
+    assert "CAP_KILL" in warnings[0]["fix"]
+
+
+def test_under_gvisor_a_pid_outside_the_container_is_not_signalled_nor_warned_about(
+        sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine's State.Pid of a Sentry that died as it was condemned, reused by another process.
+    warnings: list[str] = []
+    monkeypatch.setattr(backend_module.log, "warning", lambda event, **fields: warnings.append(event))
+    engine = Engine(pid=sleeper.pid)
+    backend_on(engine, gvisor=True)._remove(CONTAINER)
+    assert sleeper.poll() is None and not warnings
+    assert engine.calls == ["inspect", "remove"]
 
 
 @pytest.mark.parametrize("gvisor", [False, True])

@@ -442,9 +442,11 @@ class DockerBackend:
         outcome = kill_sentry(pid, container_id)
         if outcome is Outcome.KILLED:
             self._wait_exit(container_id)
-        elif outcome is not Outcome.GONE and not self._sentry_warned:
+        elif outcome is Outcome.NOT_ITS:  # exited as it was condemned (its pid reused), or /proc hides it
+            log.info("sandbox_sentry_not_seen", container=container_id[:12], pid=pid)
+        elif outcome is Outcome.NOT_PERMITTED and not self._sentry_warned:
             self._sentry_warned = True
-            log.warning("sandbox_killed_through_gvisor", container=container_id[:12], reason=outcome.value,
+            log.warning("sandbox_killed_through_gvisor", container=container_id[:12],
                         consequence="a sandbox of thousands of tasks takes 10 s or more to go",
                         fix="run the daemon as root or give it CAP_KILL (docs/security.md, gVisor)")
 
