@@ -9,7 +9,9 @@
  */
 
 import type { ExtensionAPI, ExtensionFactory, ToolDefinition } from "@mariozechner/pi-coding-agent";
-import { type CallResult, type ContentBlock, type InputSchema, SandboxdClient, type Tool } from "@sandboxd/client";
+import {
+  type CallResult, type ContentBlock, ErrorCode, type InputSchema, SandboxdClient, SandboxdError, type Tool,
+} from "@sandboxd/client";
 import { type TSchema, Type } from "typebox";
 
 /** TOOLS.md's integration variables: what a daemon that does not say (sandbox/status) allows. */
@@ -43,7 +45,8 @@ export interface SandboxdPiOptions {
 
 /** What a call leaves in pi's session: its status and duration, never its env or arguments. */
 export interface SandboxdDetails {
-  status: CallResult["status"] | "running";
+  /** `over_quota`: sandboxd refused the call (-32004) before it ran. */
+  status: CallResult["status"] | "running" | "over_quota";
   durationMs?: number;
   progress?: number;
 }
@@ -160,7 +163,12 @@ export function toolDefinition(tool: Tool, client: SandboxdClient, options: Sand
             details: { status: "running", progress: update.progress } satisfies SandboxdDetails,
           })),
         },
-      );
+      ).catch((error: unknown) => {
+        if (!(error instanceof SandboxdError && error.code === ErrorCode.QuotaExceeded)) throw error;
+        const details: SandboxdDetails = { status: "over_quota" };
+        onFailure?.(toolCallId, details);
+        throw new SandboxdToolError(overQuotaMessage(tool.name, error), details);
+      });
       const details: SandboxdDetails = { status: result.status, durationMs: result.durationMs };
       if (result.status !== "ok") {
         // Thrown, not returned: pi marks a call failed only when execute throws.
@@ -170,6 +178,60 @@ export function toolDefinition(tool: Tool, client: SandboxdClient, options: Sand
       return { content: piContent(result.content), details };
     },
   };
+}
+
+/**
+ * What the agent reads when sandboxd refuses a call over the user's disk quota (-32004): what
+ * happened, the biggest entries (the error's `data`), and what it can do about it. The
+ * daemon's own message is kept when `data` does not say which limit was passed.
+ */
+export function overQuotaMessage(toolName: string, error: SandboxdError): string {
+  const usage = quotaUsage(error.data);
+  const passed = usage === undefined ? undefined : quotaPassed(usage);
+  const biggest = (usage?.biggest ?? []).map((entry) => `${entry.path} (${sizeText(entry.bytes)})`);
+  return [
+    `${toolName} did not run: this user's folders (/officer/user and /officer/data) are over their disk quota`
+      + `${passed ? `, ${passed}` : ""}.`,
+    "sandboxd runs none of this user's tools until the folders hold less.",
+    biggest.length > 0 ? `The biggest entries: ${biggest.join(", ")}.` : "",
+    "To go on, delete files that are no longer needed from those folders, then call the tool again.",
+    "If nothing there may be deleted, tell the user: their sandboxd operator can free space or raise the quota.",
+    passed ? "" : `sandboxd said: ${error.message}`,
+  ].filter(Boolean).join(" ");
+}
+
+interface QuotaUsage {
+  bytes: number;
+  limitBytes: number;
+  inodes: number;
+  limitInodes: number;
+  biggest?: Array<{ path: string; bytes: number }>;
+}
+
+/** The -32004 error's data (PROTOCOL.md), or undefined when it is not that shape. */
+function quotaUsage(data: unknown): QuotaUsage | undefined {
+  if (typeof data !== "object" || data === null) return undefined;
+  const usage = data as Record<string, unknown>;
+  if (!["bytes", "limitBytes", "inodes", "limitInodes"].every((key) => typeof usage[key] === "number")) return undefined;
+  const entries = Array.isArray(usage.biggest) ? usage.biggest : [];
+  const biggest = entries.filter((entry): entry is { path: string; bytes: number } =>
+    typeof entry?.path === "string" && typeof entry?.bytes === "number");
+  return { ...(usage as unknown as QuotaUsage), biggest };
+}
+
+/** Which limit the folders passed, in words; undefined when the figures show neither. */
+function quotaPassed(usage: QuotaUsage): string | undefined {
+  if (usage.bytes > usage.limitBytes) return `${sizeText(usage.bytes)} of ${sizeText(usage.limitBytes)}`;
+  if (usage.inodes > usage.limitInodes) return `${usage.inodes} files and folders of ${usage.limitInodes}`;
+  return undefined;
+}
+
+/** Bytes for a person, as sandboxd writes them: 12.0 MiB. */
+export function sizeText(bytes: number): string {
+  for (const [unit, scale] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]] as const) {
+    if (bytes >= scale) return `${(bytes / scale).toFixed(1)} ${unit}`;
+  }
+  return `${bytes} B`;
 }
 
 /** The daemon's inputSchema as a TypeBox schema (enum, optional, default, sensitive carried over). */
