@@ -116,8 +116,13 @@ def test_calls_sandboxes_and_orphans_are_counted(tmp_path: Path) -> None:
 
 def test_rejected_calls_are_counted_with_their_reason(tmp_path: Path) -> None:
     async def test(server: Server) -> None:
-        first = asyncio.get_running_loop().create_task(call(server, "slow", timeoutMs=300))
-        await asyncio.sleep(0.02)
+        # The first call holds the user's one sandbox until its deadline; a loaded machine may take a
+        # while to get it there, so the second call is sent once it holds, not after a fixed sleep.
+        first = asyncio.get_running_loop().create_task(call(server, "slow", timeoutMs=2000))
+        for _ in range(500):
+            if samples(server.metrics.render()[0].decode())[("sandboxd_pool_users", (("state", "holding"),))]:
+                break
+            await asyncio.sleep(0.01)
         reply = await call(server, "World")
         assert reply["error"]["code"] == -32001
         assert reply["error"]["data"]["reason"] == "user_limit"
