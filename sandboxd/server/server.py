@@ -120,36 +120,48 @@ class Server:
     # -- startup ---------------------------------------------------------------
 
     async def startup(self, listen_socket: socket.socket | None = None) -> None:
-        cfg = self.config
-        self._plan_fds()  # first: a configuration the limit cannot hold stops start-up before it touches anything
+        """In order, each step's failure stopping start-up before the next:
+
+        1. The descriptor plan, first: a configuration the limit cannot hold stops start-up before it touches anything.
+        2. The data path's lock, before the orphans: a second daemon here would take the first's sandboxes for them.
+        3. The seed tools synced; the engine asked (a rootless or remote engine: one line now, not an error per
+           call); the orphans removed; the transpile cache filled in the background.
+        4. The disk quota: ``enforcement: hard`` that cannot be had stops start-up here.
+        5. The metrics endpoint, before the socket: a bad address stops start-up with nothing to undo.
+        6. The socket, then the maintenance tick and the tool watch.
+        """
+        cfg, held, loop = self.config, self._held, asyncio.get_running_loop()
+        self._plan_fds()  # 1
         global_tools_dir(cfg.data_path).mkdir(parents=True, exist_ok=True)
-        held = self._held
-        held.data_lock = lock_data_path(cfg.data_path)  # before the orphans: a second daemon here would take the first's sandboxes for them
-        if cfg.seed_tools is not None:
+        held.data_lock = lock_data_path(cfg.data_path)  # 2
+        if cfg.seed_tools is not None:  # 3
             for action in sync_tools(cfg.seed_tools, global_tools_dir(cfg.data_path)):
                 log.info("seed_sync", tool=action.name, action=action.action, version=action.seed_version)
-        await self.check(cfg)  # a rootless or remote engine: one line now, not an error per call
+        await self.check(cfg)
         await self.orphans.sweep()
-        loop = asyncio.get_running_loop()
         held.transpile_start = loop.create_task(self._start_transpile_cache())
         check_data_path_mount(cfg.data_path)
-        await asyncio.to_thread(self.storage.resolve)  # `enforcement: hard` that cannot be had stops start-up here
+        await asyncio.to_thread(self.storage.resolve)  # 4
         await self.storage.start()
-        if cfg.metrics.listen is not None:  # before the socket: a bad address stops start-up with nothing to undo
+        if cfg.metrics.listen is not None:  # 5
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
-        held.owns_socket_file = listen_socket is None
+        held.owns_socket_file = listen_socket is None  # 6
         sock = held.listener = listen_socket or self._bind_socket()
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._accept)
         held.tasks += [loop.create_task(self._maintain()), loop.create_task(self.watch.run())]
-        address = sock.getsockname() or "(unnamed)"
+        self._say_listening(sock.getsockname() or "(unnamed)", activated=listen_socket is not None)
+
+    def _say_listening(self, address: str, *, activated: bool) -> None:
+        cfg = self.config
         if address != str(cfg.socket):
             # Clients (and `sandboxd status`) look for `socket`; a mismatch means they will not find us.
             log.warning("socket_mismatch", listening=address, configured=str(cfg.socket),
                         hint="set `socket` to the ListenStream= path of sandboxd.socket")
-        log.info("listening", socket=address, activated=listen_socket is not None, backend=self.backend.name,
+        log.info("listening", socket=address, activated=activated, backend=self.backend.name,
                  data_path=str(cfg.data_path), version=__version__, image=cfg.sandbox.image,
-                 peer_check=self.peer_policy.restricted, event_loop=type(loop).__module__.split(".")[0])
+                 peer_check=self.peer_policy.restricted,
+                 event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
         if self.backend.name == "process":
             log.warning("UNSANDBOXED", backend="process",
                         detail="tools run as local node processes with this daemon's rights and see the host "
