@@ -190,7 +190,7 @@ def kind(message: dict[str, Any]) -> Literal["request", "notification", "respons
 
 
 def with_id(message: Message, request_id: RequestId | None) -> Message:
-    """``message`` with its id replaced (a router's rewriting between a client's ids and an upstream's).
+    """A request or an answer with its id replaced (a router's rewriting between a client's ids and an upstream's).
 
     The id keeps its place among the keys, so the line differs from the original only in the id."""
     return cast(Message, {**message, "id": request_id})
