@@ -16,7 +16,7 @@ from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, Sandb
 from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.rules.browser_relay import relay_for_call
 from sandboxd.rules.secrets import NO_STAND_INS, StandIns
-from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits, Sandbox
+from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls.context import (CallContext, GraceExpired, Killed, ProgressBudget, ProgressCapExceeded,
                                           TimedOut)
@@ -82,6 +82,8 @@ class CallRunner:
         2. In the sandbox: wait for one, check the quota again, call its shim, release the sandbox.
         3. After: the user's folders measured, and a write that failed on a full disk told which
            quota it hit; the call logged and counted just after its answer is written.
+
+        The quota's part of step 1 opens ``_in_sandbox``: the warm path makes no call of its own for it.
         """
         started = time.monotonic()
         # Looked up once: each lookup of the running loop costs a getpid() system call in Python 3.11.
@@ -92,9 +94,10 @@ class CallRunner:
             # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
             values = call.secrets()
             with secret_values(values) if values else _NO_SECRETS as masked:
-                outcome = self._admit(call, ctx, started)  # 1
-                if outcome is None:
-                    outcome = await self._in_sandbox(call, ctx, masked, on_progress, started, loop)  # 2
+                if ctx.cancel_reason is None:
+                    outcome = await self._in_sandbox(call, ctx, masked, on_progress, started, loop)  # 1, 2
+                else:  # 1: cancelled before it got here
+                    outcome = _not_started(ctx, started)
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
@@ -111,31 +114,25 @@ class CallRunner:
         loop.call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
 
-    def _admit(self, call: CallParams, ctx: CallContext, started: float) -> dict[str, Any] | None:
-        """Step 1: the answer of a call cancelled before it got here, else None; QuotaExceeded for a user over quota."""
-        if ctx.cancel_reason is not None:
-            return _not_started(ctx, started)
-        self._refuse_over_quota(call.user)
-        return None
-
-    def _refuse_over_quota(self, user: str) -> None:
-        refused = self.storage.refusal(user) if self.storage is not None else None
-        if refused is not None:
-            raise refused
-
     async def _in_sandbox(self, call: CallParams, ctx: CallContext, secrets: frozenset[str],
                           on_progress: Callable[[list[Any]], None], started: float,
                           loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
-        """Step 2: a sandbox of the user's, the quota checked again, the call in it from request to outcome.
-        The sandbox is released after, to serve another call unless this one left it spent."""
+        """Steps 1 (the quota) and 2 of ``run``: a sandbox of the user's, the quota checked again, the call in
+        it from request to outcome. The sandbox is released after, to serve another call unless this one left it spent."""
+        storage = self.storage
+        refused = storage.refusal(call.user) if storage is not None else None
+        if refused is not None:  # 1: over quota (measured)
+            raise refused
         request, guard = self._request(call, secrets)
         ctx.enter_queue()
         queued_at = time.monotonic()
-        pooled = await self.pool.acquire(call.user)
+        pooled = await self.pool.acquire(call.user)  # 2
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = True  # a sandbox the quota check refuses ran nothing
         try:
-            self._refuse_over_quota(call.user)  # measured over quota while it waited: its tool would write more
+            refused = storage.refusal(call.user) if storage is not None else None
+            if refused is not None:  # measured over quota while it waited: its tool would write more
+                raise refused
             reusable = False  # until the shim's answer says so
             sandbox = pooled.sandbox
             assert sandbox is not None  # the pool hands out started sandboxes only
@@ -147,8 +144,19 @@ class CallRunner:
                 answer = await future
             except (TimedOut, GraceExpired, Killed, SandboxFailed, ProgressCapExceeded) as exc:
                 return self._stopped(exc, call, ctx, started)
-            outcome, reusable = self._answered(answer, sandbox, call, ctx, started)
-            return outcome
+            # The shim says when a tool left processes running or /tmp full (docs/shim.md).
+            retire = answer.get("retire")
+            if retire:
+                log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=sandbox.id,
+                         reason=str(retire)[:500], budget=source("user", call.user))
+            reusable = not retire
+            content = answer.get("content")
+            if not isinstance(content, list):
+                content = text("The tool's sandbox returned a malformed result.")
+            if ctx.cancel_reason is not None:
+                return result("cancelled", content, started, is_error=True, details=answer.get("details"))
+            status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
+            return result(status, content, started, details=answer.get("details"))
         finally:
             ctx.finish()
             # Released just after the answer is written (the dispatcher sends it when run returns):
@@ -192,22 +200,6 @@ class CallRunner:
                 f"The call was cancelled ({ctx.cancel_reason}); the tool did not stop within "
                 f"{ctx.grace:g} s, so its sandbox was killed and replaced."), started)
         return result("cancelled" if isinstance(exc, Killed) else "crashed", text(exc.message), started)
-
-    def _answered(self, answer: dict[str, Any], sandbox: Sandbox, call: CallParams, ctx: CallContext,
-                  started: float) -> tuple[dict[str, Any], bool]:
-        """The outcome of the shim's answer, and whether its sandbox may serve another call."""
-        # The shim says when a tool left processes running or /tmp full (docs/shim.md).
-        retire = answer.get("retire")
-        if retire:
-            log.info("sandbox_retired", user=call.user, tool=call.tool.name, sandbox=sandbox.id,
-                     reason=str(retire)[:500], budget=source("user", call.user))
-        content = answer.get("content")
-        if not isinstance(content, list):
-            content = text("The tool's sandbox returned a malformed result.")
-        if ctx.cancel_reason is not None:
-            return result("cancelled", content, started, is_error=True, details=answer.get("details")), not retire
-        status = "ok" if answer.get("status") == "ok" and not answer.get("isError") else "error"
-        return result(status, content, started, details=answer.get("details")), not retire
 
     def count_refused(self, params: Any, exc: SandboxdError) -> None:
         """A call refused before its params were read (the daemon stopping): counted and logged like the rest.
