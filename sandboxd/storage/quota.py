@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.config import Config
@@ -263,6 +263,10 @@ class Storage:
         """A call of ``user`` ended: measure them again, soon. Hard mode: no walk (the kernel holds the bytes)."""
         if not self._kernel_group(user)[0]:
             self.measure_soon(user)
+        elif user not in self._usage:  # status lists a hard user from their first call, not the next full pass
+            record = self._kernel_record(user)
+            if record is not None:
+                self._usage[user] = record
 
     def measure_soon(self, user: str) -> None:
         """Walk ``user``'s folders soon, off the loop (walks.py: at most one walk a second per user, shared)."""
@@ -375,6 +379,9 @@ class Storage:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
+        for user, record in list(self._usage.items()):  # hard: the qgroup's bytes now, files as last walked
+            if record.bytes_hard and (kernel := self._kernel_record(user)) is not None:
+                self._usage[user] = replace(record, usage=replace(record.usage, bytes=kernel.usage.bytes))
         return {
             "enforcement": [{"area": p.area.name, "path": str(p.area.root), "mode": p.mode, "how": p.how}
                             for p in self.places],
