@@ -211,13 +211,22 @@ def test_disconnect_cancels_calls_in_flight(tmp_path: Path) -> None:
         conn = await h.connect()
         conn.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                    "params": {"user": USER, "name": "hello", "arguments": {"name": "x"}}})
-        await asyncio.sleep(0.02)
-        assert repr(h.server.pool) == "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
+        busy = "<Pool [starting: 0, idle: 0, busy: 1, stopping: 0, waiting: 0]>"
+        await settled(lambda: repr(h.server.pool) == busy)  # a fixed sleep was too short on a loaded machine
+        assert repr(h.server.pool) == busy
         conn.writer.close()
-        await asyncio.sleep(0.05)
+        await settled(lambda: bool(h.backend.sandboxes) and "idle: 1" in repr(h.server.pool))
         sandbox = next(iter(h.backend.sandboxes.values()))
         assert sandbox.cancel_reasons == ["client disconnected"]
         assert repr(h.server.pool) == "<Pool [starting: 0, idle: 1, busy: 0, stopping: 0, waiting: 0]>"
+
+
+async def settled(done: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Wait until ``done()`` holds (the caller's assertion then says what did not, if it never does)."""
+    for _ in range(int(within_s / 0.01)):
+        if done():
+            return
+        await asyncio.sleep(0.01)
 
 
 def test_crash_is_reported_and_replaced(tmp_path: Path) -> None:
