@@ -248,3 +248,14 @@ def make_daemon(tmp_path: Path, docker_api: Any) -> Iterator[Any]:
 @pytest.fixture
 def daemon(make_daemon: Any) -> Daemon:
     return make_daemon()
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test started beside its daemon (servers in its namespace, hostile clients), killed at its end."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -59,16 +59,6 @@ def least_limit(config_path: Path) -> int:
         except ConfigError:
             low = middle + 1
     return low
-
-
-@pytest.fixture
-def stopper() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 def _descriptors(pid: int) -> tuple[int, int]:

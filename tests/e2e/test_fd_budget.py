@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -131,16 +131,6 @@ def _in_namespace(daemon: Daemon, *command: str) -> subprocess.Popen[str]:
     assert daemon.proc is not None
     return subprocess.Popen(["nsenter", f"--net=/proc/{daemon.proc.pid}/ns/net", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@pytest.fixture
-def stopper() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 def _open_fds(pid: int) -> int:
