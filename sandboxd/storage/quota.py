@@ -261,6 +261,8 @@ class Storage:
 
     def after_call(self, user: str) -> None:
         """A call of ``user`` ended: measure them again, soon. Hard mode: no walk (the kernel holds the bytes)."""
+        if not self.enabled:  # no quota: a call ends without a look at the user's folders
+            return
         if not self._kernel_group(user)[0]:
             self.measure_soon(user)
         elif user not in self._usage:  # status lists a hard user from their first call, not the next full pass
