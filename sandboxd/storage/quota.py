@@ -90,6 +90,9 @@ class Storage:
         self.refusals = 0
         self.walks = 0  # of users' folders (sandbox/status: storage.walks), each user's at most one a second
         self._usage: dict[str, UserUsage] = {}
+        # Users whose last figures are over quota: a call's path asks this set, no method call, twice per call.
+        # Changed in place only (``_keep``), so a holder of it sees each change.
+        self.over_quota: set[str] = set()
         self._provisioned: dict[str, dict[str, str]] = {}
         self._provisioning: dict[str, threading.Lock] = {}  # one per user provisioned
         self._lock = threading.Lock()
@@ -245,8 +248,16 @@ class Storage:
         if kernel is not None:  # what the kernel holds against the limit
             usage = Usage(kernel[0], usage.inodes, usage.complete, usage.unreadable)
         record = UserUsage(usage, limit_bytes, limit_inodes, bytes_hard, time.monotonic())
-        self._usage[user] = record
+        self._keep(user, record)
         return record
+
+    def _keep(self, user: str, record: UserUsage) -> None:
+        """``user``'s figures now, and whether they are over quota (see ``over_quota``)."""
+        self._usage[user] = record
+        if record.over_bytes or record.over_inodes:
+            self.over_quota.add(user)
+        else:
+            self.over_quota.discard(user)
 
     def _kernel_record(self, user: str) -> UserUsage | None:
         """Hard mode: ``user``'s bytes as the qgroup counts them (no walk; files as last measured). None if soft."""
@@ -268,7 +279,7 @@ class Storage:
         elif user not in self._usage:  # status lists a hard user from their first call, not the next full pass
             record = self._kernel_record(user)
             if record is not None:
-                self._usage[user] = record
+                self._keep(user, record)
 
     def measure_soon(self, user: str) -> None:
         """Walk ``user``'s folders soon, off the loop (walks.py: at most one walk a second per user, shared)."""
@@ -383,7 +394,7 @@ class Storage:
         now = time.monotonic()
         for user, record in list(self._usage.items()):  # hard: the qgroup's bytes now, files as last walked
             if record.bytes_hard and (kernel := self._kernel_record(user)) is not None:
-                self._usage[user] = replace(record, usage=replace(record.usage, bytes=kernel.usage.bytes))
+                self._keep(user, replace(record, usage=replace(record.usage, bytes=kernel.usage.bytes)))
         return {
             "enforcement": [{"area": p.area.name, "path": str(p.area.root), "mode": p.mode, "how": p.how}
                             for p in self.places],

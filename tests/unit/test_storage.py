@@ -85,10 +85,11 @@ def test_soft_mode_refuses_a_user_over_quota_until_they_hold_less(tmp_path: Path
     user = "alice@example.com"
     folder = tmp_path / user
     folder.mkdir()
-    assert store.refusal(user) is None  # never measured: let in
+    assert store.refusal(user) is None and user not in store.over_quota  # never measured: let in
     (folder / "big").write_bytes(b"z" * 2 * MIB)
     os.sync()
     store.measure_now(user)
+    assert user in store.over_quota  # what a call asks before it asks for the refusal
     refusal = store.refusal(user)
     assert isinstance(refusal, QuotaExceeded) and refusal.code == -32004
     assert "2.0 MiB" in refusal.message and "1.0 MiB" in refusal.message and "storage.quota_bytes" in refusal.message
@@ -102,7 +103,7 @@ def test_soft_mode_refuses_a_user_over_quota_until_they_hold_less(tmp_path: Path
     for i in range(150):
         (folder / str(i)).unlink()
     store.measure_now(user)
-    assert store.refusal(user) is None
+    assert store.refusal(user) is None and user not in store.over_quota
     row = store.status()["users"][user]
     assert row["limitBytes"] == MIB and row["limitInodes"] == 100 and not row["over"]
     store.close()

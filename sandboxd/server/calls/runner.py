@@ -9,7 +9,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable
 
 from sandboxd.config import CallsConfig, Config
 from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
@@ -67,6 +67,8 @@ class CallRunner:
         self.pool = pool
         self.backend = backend
         self.storage = storage
+        # The storage's own set, changed in place: a call asks it before it asks for a refusal.
+        self._over_quota: AbstractSet[str] = storage.over_quota if storage is not None else frozenset()
         self.on_call = on_call
         self.counts: defaultdict[str, int] = defaultdict(int)  # calls by status
         # The sandbox's output budget, as calls.* (of the section it was made from) sets it.
@@ -119,10 +121,9 @@ class CallRunner:
                           loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
         """Steps 1 (the quota) and 2 of ``run``: a sandbox of the user's, the quota checked again, the call in
         it from request to outcome. The sandbox is released after, to serve another call unless this one left it spent."""
-        storage = self.storage
-        refused = storage.refusal(call.user) if storage is not None else None
-        if refused is not None:  # 1: over quota (measured)
-            raise refused
+        over_quota = self._over_quota
+        if call.user in over_quota:  # 1: over quota (measured)
+            self._refuse(call.user)
         request, guard = self._request(call, secrets)
         ctx.enter_queue()
         queued_at = time.monotonic()
@@ -130,9 +131,8 @@ class CallRunner:
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = True  # a sandbox the quota check refuses ran nothing
         try:
-            refused = storage.refusal(call.user) if storage is not None else None
-            if refused is not None:  # measured over quota while it waited: its tool would write more
-                raise refused
+            if call.user in over_quota:  # measured over quota while it waited: its tool would write more
+                self._refuse(call.user)
             reusable = False  # until the shim's answer says so
             sandbox = pooled.sandbox
             assert sandbox is not None  # the pool hands out started sandboxes only
@@ -162,6 +162,12 @@ class CallRunner:
             # Released just after the answer is written (the dispatcher sends it when run returns):
             # the caller's path ends at the answer, the pool's bookkeeping need not sit on it.
             loop.call_soon(self.pool.release, pooled, reusable)
+
+    def _refuse(self, user: str) -> None:
+        """Raise the quota's refusal for ``user``, unless their figures fell back under it meanwhile."""
+        refused = self.storage.refusal(user) if self.storage is not None else None
+        if refused is not None:
+            raise refused
 
     async def _note_disk(self, storage: Storage, user: str, outcome: dict[str, Any]) -> None:
         """Which quota a failed write hit, and how to free space; measured now, on such calls only."""
