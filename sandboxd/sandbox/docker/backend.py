@@ -28,6 +28,7 @@ from sandboxd.logging import get_logger
 from sandboxd.sandbox.backend import SandboxSpec, container_entry_path
 from sandboxd.sandbox.docker.attach import attach_socket, raw_socket
 from sandboxd.sandbox.docker.esbuild import extract_esbuild
+from sandboxd.sandbox.docker.exits import exit_state
 from sandboxd.sandbox.docker.runtime import is_gvisor, runtime_problem
 from sandboxd.sandbox.docker.sandbox import DockerSandbox
 from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry, lift_cpu_quota
@@ -239,7 +240,7 @@ class DockerBackend:
         try:
             attach = await self._run(lambda: attach_socket(self.api(), container_id, with_stdin=sockets is None))
             sandbox = DockerSandbox(container_id, spec.user, self.max_line_bytes, memory=self.config.memory,
-                                    inspect=lambda: self._run(lambda: self.api().inspect_container(container_id)))
+                                    exit_state=lambda: self._run(lambda: exit_state(self.api(), container_id)))
             await sandbox.connect_attach(attach, raw_socket(attach))
             await self._run(lambda: self.api().start(container_id))
             if sockets is not None:

@@ -63,10 +63,10 @@ class _AttachProtocol(asyncio.Protocol):
 
 class DockerSandbox(ShimSandbox):
     def __init__(self, container_id: str, user: str, max_line_bytes: int, *,
-                 inspect: Callable[[], Awaitable[dict[str, Any]]], memory: str) -> None:
+                 exit_state: Callable[[], Awaitable[dict[str, Any]]], memory: str) -> None:
         super().__init__(container_id[:12], user, max_line_bytes)
         self.container_id = container_id
-        self._inspect = inspect  # the engine's record of this container
+        self._exit_state = exit_state  # the engine's record of why it ended (exits.exit_state)
         self._memory = memory  # its limit, for the out-of-memory message
         self.transport: asyncio.Transport | None = None  # the attach stream
         self.shim_transport: asyncio.Transport | None = None  # the shim's socket (socket mode)
@@ -145,7 +145,7 @@ class DockerSandbox(ShimSandbox):
         except TimeoutError:
             pass
         try:
-            state = (await self._inspect())["State"]
+            state = await self._exit_state()
         except Exception:
             state = {}
         return SandboxFailed(exit_message(state, self._memory, "\n".join(self.stderr_tail)))
