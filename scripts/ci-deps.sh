@@ -12,6 +12,9 @@ command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 # mkfs.btrfs and btrfs: the disk quota's tests make btrfs filesystems on loop devices (test_disk_quota.py).
 command -v mkfs.btrfs >/dev/null 2>&1 || missing+=(btrfs-progs)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+# etcd and etcdctl: the cluster's e2e tests start their own etcd on 127.0.0.1 (tests/cluster/).
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -26,4 +29,9 @@ apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
   systemctl disable --now prometheus.service >/dev/null 2>&1 || true
 fi
-command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v mkfs.btrfs >/dev/null && command -v promtool >/dev/null
+# The same for etcd: the tests start their own on free ports; a system one would hold 2379.
+if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+  if [ -d /run/systemd/system ]; then systemctl disable --now etcd.service >/dev/null 2>&1 || true; fi
+  pkill -x etcd >/dev/null 2>&1 || true
+fi
+command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v mkfs.btrfs >/dev/null && command -v promtool >/dev/null && command -v etcd >/dev/null && command -v etcdctl >/dev/null

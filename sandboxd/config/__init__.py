@@ -15,6 +15,7 @@ from sandboxd.config.defaults import (AUTO_SANDBOX_ID, BRIDGE_NETWORK, DEFAULT_A
                                       DEFAULT_NETWORK, EMAIL_DB_NAME, REPO_ROOT, RUNNER_IMAGE, SYSTEM_CONFIG,
                                       UNSAFE_NAMES, UnsafeName, checkout, default_data_path, default_seed_tools,
                                       default_socket_path)
+from sandboxd.config.cluster import ClusterConfig, ClusterTLS
 from sandboxd.config.keys import LIVE_KEYS, RESTART_KEYS, flatten, iter_keys, needs_restart
 from sandboxd.config.load import config_file, env_keys, load_config
 from sandboxd.config.model import Config, check_unsandboxed, email_db_path, unsafe_settings
@@ -26,7 +27,7 @@ from sandboxd.errors import ConfigError
 __all__ = [
     "AUTO_SANDBOX_ID", "BRIDGE_NETWORK", "DEFAULT_ALLOWED_ENV", "DEFAULT_EMAIL_DB", "DEFAULT_NETWORK", "EMAIL_DB_NAME",
     "LIVE_KEYS", "REPO_ROOT", "RESTART_KEYS", "RUNNER_IMAGE", "SYSTEM_CONFIG", "UNSAFE_NAMES",
-    "CallsConfig", "Config", "ConfigError", "EgressConfig", "Enforcement", "IntegrationsConfig", "MetricsConfig",
+    "CallsConfig", "ClusterConfig", "ClusterTLS", "Config", "ConfigError", "EgressConfig", "Enforcement", "IntegrationsConfig", "MetricsConfig",
     "PoolConfig", "SandboxConfig", "StorageConfig", "UnsafeName", "UserQuota",
     "check_unsandboxed", "checkout", "config_file", "default_data_path", "default_seed_tools", "default_socket_path",
     "email_db_path", "env_keys", "flatten", "iter_keys", "load_config", "needs_restart", "parse_listen_address",

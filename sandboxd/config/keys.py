@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import types
+from typing import Any, Mapping, get_args
 
 from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
 from sandboxd.config.model import Config
 from sandboxd.config.sections import Section
@@ -14,15 +16,25 @@ def iter_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[s
     """(dotted key, env name, default, description) for every key: docs/config.md is checked against it."""
     rows = []
     for key, field in model.model_fields.items():
-        annotation = field.annotation
+        annotation = _section_of(field.annotation)
         dotted = f"{prefix}{key}"
-        if isinstance(annotation, type) and issubclass(annotation, Section):
+        if annotation is not None:
             rows.extend(iter_keys(annotation, f"{dotted}."))
             continue
-        default = field.get_default(call_default_factory=True)
+        default = None if field.default is PydanticUndefined and field.default_factory is None else field.get_default(call_default_factory=True)
         env = "SANDBOXD_" + dotted.replace(".", "_").upper()
         rows.append((dotted, env, default, field.description or ""))
     return rows
+
+
+def _section_of(annotation: Any) -> type[Section] | None:
+    """The section a field holds: ``X`` or an optional ``X | None`` (the cluster section)."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation
+    if isinstance(annotation, types.UnionType):
+        sections = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, Section)]
+        return sections[0] if len(sections) == 1 else None
+    return None
 
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key

@@ -14,6 +14,7 @@ from sandboxd.config.defaults import (BRIDGE_NETWORK, DEFAULT_EMAIL_DB, EMAIL_DB
                                       default_data_path, default_seed_tools, default_socket_path)
 from sandboxd.config.sections import (CallsConfig, EgressConfig, IntegrationsConfig, MetricsConfig, PoolConfig,
                                       SandboxConfig, Section)
+from sandboxd.config.cluster import ClusterConfig
 from sandboxd.config.storage import StorageConfig
 from sandboxd.errors import ConfigError
 from sandboxd.rules.secrets import CLEAR_SCHEME
@@ -60,6 +61,7 @@ class Config(Section):
     egress: EgressConfig = Field(default_factory=EgressConfig)
     integrations: IntegrationsConfig = Field(default_factory=IntegrationsConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    cluster: ClusterConfig | None = Field(None, description="This host among several (docs/scale.md); null = a standalone host, no etcd.")
 
     @field_validator("allowed_uids", mode="before")
     @classmethod

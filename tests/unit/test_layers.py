@@ -23,14 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("leaves",),
     ("rules",),
     ("config",),
-    ("service",),  # the directory client (etcd) goes here, beside service: it needs config only
+    ("service", "cluster"),  # cluster: the directory in etcd and the certificates' roles; it needs config only
     ("tools",),
     ("egress",),
     ("sandbox",),
     ("storage",),
-    # the router goes here: it sends a call to this host's server or to another host's
     ("server",),
-    ("mcp", "dev"),
+    ("mcp", "dev", "router"),  # router: one socket in front of every host, with the server's socket rules
     ("cli",),
     ("__main__",),
 ]
