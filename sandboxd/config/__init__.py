@@ -20,7 +20,7 @@ from sandboxd.config.keys import LIVE_KEYS, RESTART_KEYS, flatten, iter_keys, ne
 from sandboxd.config.load import config_file, env_keys, load_config
 from sandboxd.config.model import Config, check_unsandboxed, email_db_path, unsafe_settings
 from sandboxd.config.sections import (CallsConfig, EgressConfig, IntegrationsConfig, MetricsConfig, PoolConfig,
-                                      SandboxConfig, parse_listen_address, shim_line_bytes)
+                                      SandboxConfig, ToolsConfig, parse_listen_address, shim_line_bytes)
 from sandboxd.config.storage import Enforcement, StorageConfig, UserQuota, parse_size
 from sandboxd.errors import ConfigError
 
@@ -28,7 +28,7 @@ __all__ = [
     "AUTO_SANDBOX_ID", "BRIDGE_NETWORK", "DEFAULT_ALLOWED_ENV", "DEFAULT_EMAIL_DB", "DEFAULT_NETWORK", "EMAIL_DB_NAME",
     "LIVE_KEYS", "REPO_ROOT", "RESTART_KEYS", "RUNNER_IMAGE", "SYSTEM_CONFIG", "UNSAFE_NAMES",
     "CallsConfig", "ClusterConfig", "ClusterTLS", "Config", "ConfigError", "EgressConfig", "Enforcement", "IntegrationsConfig", "MetricsConfig",
-    "PoolConfig", "SandboxConfig", "StorageConfig", "UnsafeName", "UserQuota",
+    "PoolConfig", "SandboxConfig", "StorageConfig", "ToolsConfig", "UnsafeName", "UserQuota",
     "check_unsandboxed", "checkout", "config_file", "default_data_path", "default_seed_tools", "default_socket_path",
     "email_db_path", "env_keys", "flatten", "iter_keys", "load_config", "needs_restart", "parse_listen_address",
     "parse_size", "shim_line_bytes", "unsafe_settings",

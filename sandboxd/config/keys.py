@@ -39,7 +39,7 @@ def _section_of(annotation: Any) -> type[Section] | None:
 
 # What a SIGHUP applies to the running daemon (docs/config.md, "What changes need"). A key
 # matches an entry exactly or by its section prefix; every other key needs a restart.
-LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "integrations.", "log_level", "log_rate", "log_burst", "max_message_bytes", "allowed_uids", "allowed_gids",
+LIVE_KEYS = ("pool.", "calls.", "sandbox.", "egress.", "integrations.", "tools.", "log_level", "log_rate", "log_burst", "max_message_bytes", "allowed_uids", "allowed_gids",
              "allow_unsafe")  # live with the sandbox settings it was checked against
 # Exceptions inside live sections: fixed when the backend is built.
 RESTART_KEYS = ("calls.max_result_bytes", "sandbox.docker_host")

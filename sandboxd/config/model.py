@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from sandboxd.config.defaults import (BRIDGE_NETWORK, DEFAULT_EMAIL_DB, EMAIL_DB_NAME, UNSAFE_NAMES, UnsafeName,
                                       default_data_path, default_seed_tools, default_socket_path)
 from sandboxd.config.sections import (CallsConfig, EgressConfig, IntegrationsConfig, MetricsConfig, PoolConfig,
-                                      SandboxConfig, Section)
+                                      SandboxConfig, Section, ToolsConfig)
 from sandboxd.config.cluster import ClusterConfig
 from sandboxd.config.storage import StorageConfig
 from sandboxd.errors import ConfigError
@@ -60,6 +60,7 @@ class Config(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     egress: EgressConfig = Field(default_factory=EgressConfig)
     integrations: IntegrationsConfig = Field(default_factory=IntegrationsConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     cluster: ClusterConfig | None = Field(None, description="This host among several (docs/scale.md); null = a standalone host, no etcd.")
 

@@ -1,4 +1,4 @@
-"""The sections the daemon's own behaviour reads: calls, pool, sandbox, egress, integrations, metrics."""
+"""The sections the daemon's own behaviour reads: calls, pool, sandbox, egress, integrations, tools, metrics."""
 
 from __future__ import annotations
 
@@ -215,6 +215,10 @@ class IntegrationsConfig(Section):
     def relay(self) -> BrowserRelay | None:
         """``browser_relay`` parsed (once, not at every call that reads it)."""
         return self._relay
+
+
+class ToolsConfig(Section):
+    require_permissions: bool = Field(False, description="A tool whose TOOL.md has no permissions block gets no network, no call env, no email database and no browser relay; off = such a tool gets what every tool of its sandbox gets.")
 
 
 class MetricsConfig(Section):

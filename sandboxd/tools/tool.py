@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sandboxd.tools.manifest import Manifest
+from sandboxd.tools.permissions import Permissions
 from sandboxd.tools.problem import Problem
 from sandboxd.tools.schema import ArgumentsCheck, input_schema, sensitive_names
 
@@ -27,6 +28,11 @@ class Tool:
     @cached_property  # read a few times per call: once cached, a plain attribute
     def name(self) -> str:
         return self.manifest.name
+
+    @cached_property
+    def permissions(self) -> Permissions:
+        """Its TOOL.md's permissions block (tools/permissions.py); ``declared`` False without one."""
+        return self.manifest.permissions
 
     @cached_property
     def schema(self) -> dict[str, Any]:
@@ -60,6 +66,7 @@ class Tool:
             "source": self.source,
             "inputSchema": copy.deepcopy(self.schema),
             "documentation": manifest.body,
+            "permissions": manifest.permissions.to_protocol(),
         }
 
 

@@ -99,9 +99,10 @@ def test_to_protocol_is_the_protocol_tool_object(data: Path) -> None:
         "inputSchema": {"type": "object", "properties": {"q": {"type": "string", "description": "Query."}},
                         "required": ["q"], "additionalProperties": False},
         "documentation": "# Doc",
+        "permissions": None,
     }
     assert list(tool.to_protocol()) == ["name", "label", "description", "version", "language", "source",
-                                        "inputSchema", "documentation"]
+                                        "inputSchema", "documentation", "permissions"]
 
 
 def test_to_protocol_hands_out_copies_of_the_schema(data: Path) -> None:

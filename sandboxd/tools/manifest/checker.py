@@ -26,6 +26,7 @@ from sandboxd.tools.manifest.model import (
     Manifest,
 )
 from sandboxd.tools.manifest.source import FENCE_RE, normalise, read_manifest_file, split_frontmatter
+from sandboxd.tools.permissions import UNDECLARED, parse_permissions
 from sandboxd.tools.problem import Problem, Severity
 from sandboxd.tools.yaml12 import ManifestLoader, ParseTimeout, Refused
 
@@ -134,6 +135,8 @@ class _ManifestChecker:
         version = self._version(data)
         language = self._language(data)
         inputs = self._inputs(data.get("inputs"))
+        permissions = (parse_permissions(data["permissions"], self.error, self.warning) if "permissions" in data
+                       else UNDECLARED)
         self._unknown_keys(data)
         body = frontmatter.body.lstrip("\n").rstrip()
         if not body:
@@ -143,7 +146,8 @@ class _ManifestChecker:
         if any(p.is_error for p in self.problems):
             return None
         return Manifest(name=name, label=label or name, description=description, version=version,
-                        language=language, inputs=inputs, body=body, path=self.path)
+                        language=language, inputs=inputs, body=body, path=self.path,
+                        permissions=permissions)
 
     def _load_yaml(self, text: str) -> dict[Any, Any] | None:
         try:

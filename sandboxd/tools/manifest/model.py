@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from sandboxd.tools.permissions import UNDECLARED, Permissions
+
 MANIFEST_FILE = "TOOL.md"
 MAX_MANIFEST_BYTES = 1 << 20  # a user's TOOL.md is read by the daemon: bound the work it can cause
 # The frontmatter is metadata: this and yaml12's MAX_YAML_DEPTH and MAX_YAML_NODES bound a
@@ -17,7 +19,7 @@ MAX_NAME_LENGTH = 64  # model APIs refuse longer tool names
 InputType = Literal["string", "number", "boolean", "enum"]
 INPUT_TYPES: tuple[InputType, ...] = get_args(InputType)
 LANGUAGES = ("typescript", "bash", "python")
-TOP_LEVEL_KEYS = ("name", "label", "description", "version", "language", "inputs")
+TOP_LEVEL_KEYS = ("name", "label", "description", "version", "language", "inputs", "permissions")
 INPUT_KEYS = ("type", "description", "optional", "sensitive", "values", "default")
 
 
@@ -57,3 +59,4 @@ class Manifest:
     inputs: tuple[Input, ...]
     body: str  # the Markdown documentation, without the frontmatter
     path: Path
+    permissions: Permissions = UNDECLARED  # the permissions block (tools/permissions.py)

@@ -1,0 +1,98 @@
+"""TOOL.md's permissions block: parsing (every problem names the key and the fix), and what a call gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandboxd.tools.manifest import parse_manifest_text
+from sandboxd.tools.permissions import NOTHING, UNDECLARED, Permissions
+
+PATH = Path("tools/demo/TOOL.md")
+
+
+def manifest(block: str) -> tuple[Permissions | None, list[str]]:
+    text = f"---\nname: demo\ndescription: Demo.\nversion: 1\n{block}---\n# Demo\n"
+    parsed, problems = parse_manifest_text(text, PATH)
+    return (parsed.permissions if parsed is not None else None), [str(p) for p in problems]
+
+
+def test_the_issue_s_example_is_read_whole() -> None:
+    permissions, problems = manifest('permissions:\n  network: [api.apify.com, "*.wikipedia.org"]\n'
+                                     '  env: [OFFICER_APIFY_TOKEN]\n  email: read\n  browser: false\n')
+    assert problems == []
+    assert permissions == Permissions(("api.apify.com", "*.wikipedia.org"), frozenset({"OFFICER_APIFY_TOKEN"}),
+                                      "read", False, True)
+    assert permissions.to_protocol() == {"network": ["api.apify.com", "*.wikipedia.org"],
+                                         "env": ["OFFICER_APIFY_TOKEN"], "email": "read", "browser": False}
+
+
+def test_no_block_is_undeclared_and_keeps_today_s_behaviour_unless_required() -> None:
+    permissions, problems = manifest("")
+    assert permissions is UNDECLARED and problems == []
+    assert permissions.to_protocol() is None
+    assert permissions.in_force(False) is None and permissions.email_access(False) == "write"
+    assert permissions.in_force(True) is NOTHING and permissions.email_access(True) == "none"
+
+
+def test_an_empty_block_declares_nothing() -> None:
+    for block in ("permissions:\n", "permissions: {}\n"):
+        permissions, problems = manifest(block)
+        assert permissions == NOTHING and problems == []
+        assert permissions.call_env({"OFFICER_APIFY_TOKEN": "x"}) == {}
+
+
+@pytest.mark.parametrize(("block", "field", "fix"), [
+    ("permissions: [a.test]\n", "permissions", "indented keys"),
+    ("permissions:\n  netwrok: [a.test]\n", "permissions.netwrok", "did you mean 'network'"),
+    ("permissions:\n  network: [https://a.test/x]\n", "permissions.network", "write its host alone: 'a.test'"),
+    ("permissions:\n  network: [not a host]\n", "permissions.network", "egress.allow does"),
+    ("permissions:\n  network: {a: 1}\n", "permissions.network", "network: [api.example.com]"),
+    ("permissions:\n  env: [BAD-NAME]\n", "permissions.env", "letters, digits and _"),
+    ("permissions:\n  email: readwrite\n", "permissions.email", "email: read"),
+    ("permissions:\n  browser: \"yes\"\n", "permissions.browser", "browser: true"),
+])
+def test_a_bad_block_is_an_error_naming_the_key_and_the_fix(block: str, field: str, fix: str) -> None:
+    permissions, problems = manifest(block)
+    assert permissions is None  # a manifest with an error is not used: the tool is skipped
+    assert any(f"error: {field}:" in problem and fix in problem for problem in problems), problems
+
+
+def test_the_problem_points_at_the_block_s_line() -> None:
+    _, problems = manifest("permissions:\n  email: all\n")
+    assert problems[0].startswith(f"{PATH}:6: error: permissions.email")
+
+
+def test_what_a_call_receives() -> None:
+    permissions, _ = manifest("permissions:\n  env: [OFFICER_APIFY_TOKEN, HOME]\n  browser: true\n")
+    assert permissions is not None
+    env = {"OFFICER_APIFY_TOKEN": "t", "PI_SEARXNG_URL": "u", "OFFICER_BROWSER_RELAY_PORT": "9222"}
+    assert permissions.call_env(env) == {"OFFICER_APIFY_TOKEN": "t", "OFFICER_BROWSER_RELAY_PORT": "9222"}
+
+
+def test_network_grants_name_the_entry_that_decided() -> None:
+    permissions, _ = manifest('permissions:\n  network: [a.test, "*.b.test", "10.1.0.0/16", "c.test:8080"]\n')
+    assert permissions is not None
+    network = permissions.network_for("demo")
+    ports = frozenset({80, 443})
+    assert network.grant("a.test", 443, ports) == "a.test"
+    assert network.grant("x.b.test", 80, ports) == "*.b.test"
+    assert network.grant("10.1.2.3", 443, ports) == "10.1.0.0/16"
+    assert network.grant("c.test", 8080, ports) == "c.test:8080"
+    for host, port in (("b.test", 443), ("a.test", 8080), ("c.test", 443), ("evil.test", 443)):
+        assert network.grant(host, port, ports) is None
+    assert "tool 'demo' does not declare evil.test" in network.refusal("evil.test", 443)
+    assert manifest('permissions:\n  network: ["*"]\n')[0].network_for("t").grant("any.where", 1, ports) == "*"
+
+
+@pytest.mark.parametrize(("block", "warning"), [
+    ("permissions:\n  env: [HOME]\n", "set in every sandbox"),
+    ("permissions:\n  env: [OFFICER_BROWSER_RELAY_PORT]\n", "set 'browser: true'"),
+    ("permissions:\n  network: [a.test, a.test]\n", "listed twice"),
+    ('permissions:\n  network: ["*", a.test]\n', "keep '*' alone"),
+])
+def test_a_declaration_that_does_nothing_is_a_warning(block: str, warning: str) -> None:
+    permissions, problems = manifest(block)
+    assert permissions is not None
+    assert any("warning: permissions." in problem and warning in problem for problem in problems), problems
