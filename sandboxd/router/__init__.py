@@ -1,0 +1,1 @@
+"""`sandboxd router`: one unix socket in front of every host (docs/scale.md, "The router")."""
