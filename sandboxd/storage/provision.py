@@ -84,8 +84,7 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
     """
     user = check_user(user)
     limit_bytes, _ = config.storage.limits(user)
-    setting = config.sandbox.user
-    sandbox_uid = int((f"{AUTO_SANDBOX_ID}" if setting == "auto" else setting).split(":")[0])
+    uid = sandbox_uid(config)
     groups: dict[str, int] = {}  # fs id → the user's qgroup on it
     done: dict[str, str] = {}
     for area in areas(config):
@@ -99,11 +98,45 @@ def provision_user(config: Config, user: str, owner: tuple[int, int]) -> dict[st
             group = _provision_folder(
                 root_fd, area.folder(config, user).name, owner,
                 lambda fd: _join_group(root_fd, fd, fs_id, groups, limit_bytes),
-                lambda fd: _prepare_for_sandboxes(fd, sandbox_uid, owner, tools=tools))
+                lambda fd: _prepare_for_sandboxes(fd, uid, owner, tools=tools))
         finally:
             os.close(root_fd)
         done[area.name] = f"hard:{fs_id}:{group}"
     return done
+
+
+def new_user_folder(config: Config, area: Area, name: str, user: str, owner: tuple[int, int],
+                    groups: dict[str, int], *, privileged: bool) -> tuple[int, bool]:
+    """A new, empty folder ``name`` in ``area.root``, made as ``user``'s own are: where the area can be enforced
+    (and ``privileged``), a subvolume in the user's limited qgroup, ``groups`` holding it for the user's next
+    folder on the filesystem; else a plain folder (the first call converts it: convert.py). Its handle, and
+    whether it is a subvolume. FileExistsError when ``name`` exists.
+
+    An import fills it, then renames it to the user's folder: the kernel counts every byte it writes."""
+    problem, fs_id = hard_problem(area, privileged=privileged)
+    hard = config.storage.enforcement != "off" and problem is None and fs_id is not None
+    root_fd = os.open(area.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if hard and fs_id is not None:
+            fd, created = btrfs.open_subvolume(root_fd, name, create=True)
+            if not created:
+                os.close(fd)
+                raise FileExistsError(f"{area.root / name} exists")
+            _join_group(root_fd, fd, fs_id, groups, config.storage.limits(user)[0])
+        else:
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        os.fchmod(fd, 0o700)
+        _prepare_for_sandboxes(fd, sandbox_uid(config), owner, tools=area.name == "data")
+        os.fchown(fd, *owner)
+    finally:
+        os.close(root_fd)
+    return fd, hard
+
+
+def sandbox_uid(config: Config) -> int:
+    setting = config.sandbox.user
+    return int((f"{AUTO_SANDBOX_ID}" if setting == "auto" else setting).split(":")[0])
 
 
 def _provision_folder(root_fd: int, name: str, owner: tuple[int, int], join: Callable[[int], int],
