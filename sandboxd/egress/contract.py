@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 if TYPE_CHECKING:
     from sandboxd.egress.grants import CallGrant
     from sandboxd.rules.secrets import StandIns
+    from sandboxd.rules.tool_network import ToolNetwork
     from sandboxd.service.peercred import PeerCredentials
 
 
@@ -21,13 +22,15 @@ class EgressCall:
     """What a sandbox is doing, for its egress: the running tool (None when idle), the secrets its
     output is masked against, the running call's stand-ins (egress.secrets) and the browser relay
     port it was granted (integrations.browser_relay; None when not); ``grant`` ends the egress connections
-    admitted by these when the call is answered (egress/grants.py; None when idle)."""
+    admitted by these when the call is answered (egress/grants.py; None when idle); ``network`` is the
+    running tool's permissions.network (rules/tool_network.py; None: the policy alone decides)."""
 
     tool: str | None
     secrets: frozenset[str]
     stand_ins: StandIns
     relay_port: int | None = None
     grant: CallGrant | None = None
+    network: ToolNetwork | None = None
 
 
 EgressContext = Callable[[], EgressCall]

@@ -22,6 +22,7 @@ from sandboxd.logging import get_logger, masking, source
 from sandboxd.rules.browser_relay import RELAY_NAME, BrowserRelay, relay_refusal_message, tunnel_verdict
 from sandboxd.rules.policy import AllowEntry, EgressPolicy, IPAddress, Verdict, parse_address
 from sandboxd.rules.secrets import Rewrite, StandIns, names_host
+from sandboxd.rules.tool_network import ToolNetwork
 from sandboxd.service.fds import EGRESS_REFUSING
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
@@ -143,9 +144,11 @@ class EgressSession:
             return
         reader, scheme, host, port, forward = request
         call = self._context()  # one look at the sandbox's call: what it was granted, and the grant that ends with it
+        relaying = host == RELAY_NAME
+        if call.network is not None and not relaying and await self._undeclared(conn, call.network, host, port):
+            return
         if scheme == "http" and await self._held_back(conn, call.stand_ins, forward, host, port):
             return
-        relaying = host == RELAY_NAME
         if relaying and self._proxy.browser_relay is not None:
             host = self._proxy.browser_relay.host  # what is logged: where the tunnel goes
         opened = await self._open(conn, host, port, call.relay_port if relaying else None, relaying)
@@ -203,6 +206,15 @@ class EgressSession:
         self._refused()
         await reply(conn, 400, "failed", message)
         return None
+
+    async def _undeclared(self, conn: socket.socket, network: ToolNetwork, host: str, port: int) -> bool:
+        """Refuse (403) a request to where the running tool's permissions.network does not reach, before any
+        lookup: True once answered; False when the policy decides (rules/tool_network.py)."""
+        if network.grant(host, port, self._proxy.policy.ports) is not None:
+            return False
+        self._record("refused", "not in permissions.network", host, port, None)
+        await reply(conn, 403, "refused", network.refusal(host, port))
+        return True
 
     async def _held_back(self, conn: socket.socket, stand_ins: StandIns, head: bytes, host: str, port: int) -> bool:
         """Refuse (403) a plain-HTTP request carrying a stand-in to its secret's host, which would get the
@@ -372,12 +384,14 @@ class EgressSession:
             self._refused()
         call = self._context()
         self._proxy.decisions[(decision, _reason_label(reason))] += 1
-        named = {}  # never the values: the names of the secrets put in, and of stand-ins sent elsewhere
+        named: dict[str, object] = {}  # never the values: the names of the secrets put in, and of stand-ins sent elsewhere
         if rewrite is not None and rewrite.substituted:
             named["secrets"] = list(rewrite.substituted)
             self._proxy.secret_uses.update(rewrite.substituted)
         if rewrite is not None and rewrite.misdirected:
             named["stand_ins_misdirected"] = list(rewrite.misdirected)
+        if call.network is not None and host is not None:  # the tool's own grant decided first
+            named["grant"] = call.network.decided(host, port, self._proxy.policy.ports)
         with masking(call.secrets):  # a tool could put its token in a host name
             log.info("egress", user=self.user, sandbox=self.sandbox_id, tool=call.tool, host=host, port=port,
                      address=str(address) if address is not None else None, decision=decision, reason=reason,

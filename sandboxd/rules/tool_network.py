@@ -40,7 +40,9 @@ class ToolNetwork:
                 f"permissions.network (it declares {declared}); the tool's author adds '{host}' to "
                 "permissions.network in its TOOL.md")
 
-    @property
-    def label(self) -> str:
-        """How the log names this grant."""
-        return "permissions.network: " + (", ".join(entry.text for entry in self.entries) or "none")
+    def decided(self, host: str, port: int, ports: frozenset[int]) -> str:
+        """What the log's egress line says decided for the tool: the entry that let it through, or none."""
+        entry = self.grant(host, port, ports)
+        if entry is None:
+            return f"permissions.network of {self.tool} names no entry for {host}:{port}"
+        return f"permissions.network entry {entry} of {self.tool}"

@@ -20,6 +20,7 @@ from sandboxd.rules.browser_relay import RelayForCall
 if TYPE_CHECKING:
     from sandboxd.config import SandboxConfig
     from sandboxd.rules.secrets import StandIns
+    from sandboxd.rules.tool_network import ToolNetwork
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.esbuild import Esbuild
 
@@ -111,6 +112,8 @@ class CallGuard:
     tool: str = ""
     # The call's secrets: the sandbox's logged output is masked against them from now on.
     secrets: frozenset[str] = frozenset()
+    # The tool's permissions.network: where the egress proxy lets this call go (None: the policy alone).
+    network: ToolNetwork | None = None
 
 
 class Sandbox(Protocol):

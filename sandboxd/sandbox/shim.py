@@ -28,6 +28,7 @@ from sandboxd.errors import SandboxFailed
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, masking, source
 from sandboxd.rules.secrets import NO_STAND_INS
+from sandboxd.rules.tool_network import ToolNetwork
 from sandboxd.sandbox.backend import CallGuard, CallRequest, OutputLimits, ProgressCallback
 
 _log = get_logger("sandboxd.sandbox")
@@ -212,11 +213,13 @@ class ShimSandbox:
         self._stand_ins = NO_STAND_INS  # the running call's; none while idle: a stand-in is worth nothing after its call
         self._relay_port: int | None = None
         self._grant: CallGrant | None = None  # the running call's: ended when it is answered
+        self._network: ToolNetwork | None = None  # the running tool's permissions.network, kept while idle
 
     def egress_context(self) -> EgressCall:
         """The tool running now (None when idle), every secret to mask, the running call's stand-ins and
         the relay port it was granted."""
-        return EgressCall(self._running_tool, self._secrets, self._stand_ins, self._relay_port, self._grant)
+        return EgressCall(self._running_tool, self._secrets, self._stand_ins, self._relay_port, self._grant,
+                          self._network)
 
     @property
     def alive(self) -> bool:
@@ -235,6 +238,8 @@ class ShimSandbox:
         self._stand_ins = request.stand_ins if request.stand_ins is not None else NO_STAND_INS
         self._relay_port = request.browser_relay.granted if request.browser_relay is not None else None
         self._grant = CallGrant()
+        # Not cleared at the call's end: what the tool left running goes on under its tool's grant.
+        self._network = guard.network
         future.add_done_callback(self._call_ended)
         return future
 

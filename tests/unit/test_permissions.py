@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from sandboxd.sandbox.backend import CallGuard, CallRequest
 from sandboxd.tools.manifest import parse_manifest_text
 from sandboxd.tools.permissions import NOTHING, UNDECLARED, Permissions
+from sandboxd.tools.tool import Tool
 
 PATH = Path("tools/demo/TOOL.md")
 
@@ -96,3 +99,51 @@ def test_a_declaration_that_does_nothing_is_a_warning(block: str, warning: str) 
     permissions, problems = manifest(block)
     assert permissions is not None
     assert any("warning: permissions." in problem and warning in problem for problem in problems), problems
+
+
+# -- what the daemon hands a call (server/calls/runner.py), on the fake backend --------------------
+
+def request_for(block: str, env: dict[str, str], **tools: Any) -> tuple[CallRequest, CallGuard]:
+    from sandboxd.config import load_config
+    from sandboxd.sandbox.fake import FakeBackend
+    from sandboxd.server.calls.params import CallParams
+    from sandboxd.server.calls.runner import CallRunner
+
+    parsed, problems = parse_manifest_text(f"---\nname: demo\ndescription: Demo.\nversion: 1\n{block}---\n# Demo\n",
+                                           PATH)
+    assert parsed is not None, problems
+    config = load_config(environ={}, overrides={
+        "backend": "fake", "seed_tools": None, "tools": tools,
+        "egress": {"secrets": {"OFFICER_APIFY_TOKEN": ["apify.test"]}},
+        "integrations": {"browser_relay": "127.0.0.1:9222"}})
+    runner = CallRunner(config, pool=None, backend=FakeBackend(None))  # type: ignore[arg-type]
+    tool = Tool(parsed, PATH.parent, PATH.parent / "index.ts", "user")
+    return runner._request(CallParams("u@example.com", tool, {}, "id", env, 1.0), frozenset())
+
+
+ENV = {"OFFICER_APIFY_TOKEN": "real", "PI_SEARXNG_URL": "http://s", "OFFICER_BROWSER_RELAY_PORT": "9222"}
+
+
+def test_an_undeclared_tool_gets_what_it_got_before() -> None:
+    request, guard = request_for("", ENV)
+    assert set(request.env) == set(ENV) and guard.network is None
+    assert request.stand_ins is not None and request.browser_relay is not None
+
+
+def test_a_declared_tool_gets_its_env_names_its_network_and_no_relay_without_browser() -> None:
+    request, guard = request_for("permissions:\n  env: [OFFICER_APIFY_TOKEN]\n  network: [apify.test]\n", ENV)
+    assert list(request.env) == ["OFFICER_APIFY_TOKEN"] and request.env["OFFICER_APIFY_TOKEN"] != "real"
+    assert request.browser_relay is None
+    assert guard.network is not None and guard.network.grant("apify.test", 443, frozenset({443})) == "apify.test"
+
+
+def test_browser_true_brings_the_relay_and_its_port() -> None:
+    request, _ = request_for("permissions:\n  browser: true\n", ENV)
+    assert list(request.env) == ["OFFICER_BROWSER_RELAY_PORT"]
+    assert request.browser_relay is not None and request.browser_relay.granted == 9222
+
+
+def test_require_permissions_gives_an_undeclared_tool_nothing() -> None:
+    request, guard = request_for("", ENV, require_permissions=True)
+    assert request.env == {} and not request.stand_ins and request.browser_relay is None
+    assert guard.network is not None and guard.network.grant("anywhere.test", 443, frozenset({443})) is None

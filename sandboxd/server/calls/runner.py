@@ -178,11 +178,17 @@ class CallRunner:
     def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
         """What the shim is sent, and what the sandbox holds this call to."""
         config = self.config
-        if call.env:
+        tool = call.tool
+        # The tool's permissions block, when one holds the call (tools/permissions.py); None: no limit, as before.
+        permissions = tool.permissions.in_force(config.tools.require_permissions)
+        # Names the tool does not declare are dropped, never refused: pi-bridge sends one env with every call.
+        env_in = call.env if permissions is None else permissions.call_env(call.env)
+        if env_in:
             # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (rules/secrets.py).
-            env, stand_ins = StandIns.for_call(call.env, config.egress.secrets)
-            # Only a call whose env names the relay's port gets one (relay_for_call).
-            relay = relay_for_call(config.integrations.relay, call.env)
+            env, stand_ins = StandIns.for_call(env_in, config.egress.secrets)
+            # Only a call whose env names the relay's port gets one (relay_for_call), and only for browser: true.
+            relay = (relay_for_call(config.integrations.relay, env_in) if permissions is None or permissions.browser
+                     else None)
         else:  # most calls
             env, stand_ins, relay = {}, NO_STAND_INS, None
         calls = config.calls
@@ -192,7 +198,8 @@ class CallRunner:
         # Positional: half the cost of keywords, and the names passed say which field is which.
         request = CallRequest(call.tool_call_id, self.backend.entry_path(call.tool), call.arguments, env,
                               calls.max_result_bytes, stand_ins, relay)
-        return request, CallGuard(self._limits, call.tool.name, secrets)
+        network = None if permissions is None else permissions.network_for(tool.name)
+        return request, CallGuard(self._limits, tool.name, secrets, network)
 
     def _stopped(self, exc: TimedOut | GraceExpired | Killed | SandboxFailed | ProgressCapExceeded, call: CallParams,
                  ctx: CallContext, started: float) -> dict[str, Any]:
