@@ -53,6 +53,17 @@ class QuotaExceeded(SandboxdError):
     code = -32004
 
 
+class NotServedHere(SandboxdError):
+    """The cluster's directory says this host may not serve the user now (docs/protocol.md, "Not served here"):
+    ``data.reason`` is ``elsewhere``, ``moving``, ``node_down`` or ``fenced``, with what a client needs to go on."""
+
+    code = -32005
+
+    def __init__(self, reason: str, message: str, **data: Any) -> None:
+        super().__init__(message, {"reason": reason, **data})
+        self.reason = reason
+
+
 class UnsafeMount(BackendUnavailable):
     """A path sandboxd would mount into a sandbox is a link or not what it should be; the sandbox is not started."""
 

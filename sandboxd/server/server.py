@@ -23,6 +23,7 @@ from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
+from sandboxd.server.cluster_host import ClusterHost
 from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.data_path import check_data_path_mount, lock_data_path
 from sandboxd.server.lifecycle import Lifecycle
@@ -89,8 +90,9 @@ class Server:
         self.storage = Storage(config, on_over=self._stop_writers, live_users=lambda: self.pool.status()["users"])
         self.pool = Pool(self.backend, config.pool, self.spec_for)
         self.metrics = Metrics(self)
+        self.cluster = ClusterHost.of(config, self)  # with cluster:, the directory's gate on every call
         self.runner = CallRunner(config, self.pool, self.backend, storage=self.storage,
-                                 on_call=self.metrics.observe_call)
+                                 on_call=self.metrics.observe_call, gate=self.cluster)
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
@@ -126,7 +128,8 @@ class Server:
         2. The data path's lock, before the orphans: a second daemon here would take the first's sandboxes for them.
         3. The seed tools synced; the engine asked (a rootless or remote engine: one line now, not an error per
            call); the orphans removed; the transpile cache filled in the background.
-        4. The disk quota: ``enforcement: hard`` that cannot be had stops start-up here.
+        4. The disk quota: ``enforcement: hard`` that cannot be had stops start-up here; then, with ``cluster:``,
+           the registration in the directory (an etcd that does not answer stops it too).
         5. The metrics endpoint, before the socket: a bad address stops start-up with nothing to undo.
         6. The socket, then the maintenance tick and the tool watch.
         """
@@ -143,6 +146,8 @@ class Server:
         check_data_path_mount(cfg.data_path)
         await asyncio.to_thread(self.storage.resolve)  # 4
         await self.storage.start()
+        if self.cluster is not None:  # registered in the directory before any call can arrive
+            await self.cluster.start()
         if cfg.metrics.listen is not None:  # 5
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
         held.owns_socket_file = listen_socket is None  # 6
@@ -276,6 +281,7 @@ class Server:
             "calls": dict(self.runner.counts),
             "pool": self.pool.status(),
             "storage": self.storage.status(),
+            **({"cluster": self.cluster.status()} if self.cluster is not None else {}),
             "limits": {
                 "maxPerUser": cfg.pool.max_per_user,
                 "maxTotal": cfg.pool.max_total,
@@ -335,7 +341,7 @@ class Server:
             raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
         user = params.get("user") if params is not None else None
         user = None if user is None else check_user(user)
-        if user is not None and not self.stopping:
+        if user is not None and not self.stopping and (self.cluster is None or self.cluster.serves(user)):
             # A session lists its tools when it starts: its first call, seconds later, finds a warm sandbox.
             self.pool.warm(user)
 
@@ -459,6 +465,8 @@ class Server:
         self.catalog.close()  # a scan still running in a worker is not waited for
         self.transpile_cache.stop()
         self.storage.close()
+        if self.cluster is not None:  # the lease revoked: other hosts see this one gone now
+            await self.cluster.stop()
         if self._held.data_lock is not None:
             os.close(self._held.data_lock)
             self._held.data_lock = None

@@ -9,10 +9,11 @@ import json
 import re
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, AbstractSet, Any, Callable
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Protocol
 
 from sandboxd.config import CallsConfig, Config
-from sandboxd.errors import BackendUnavailable, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed, ShuttingDown
+from sandboxd.errors import (BackendUnavailable, NotServedHere, Overloaded, QuotaExceeded, SandboxdError, SandboxFailed,
+                             ShuttingDown)
 from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.rules.browser_relay import relay_for_call
 from sandboxd.rules.secrets import NO_STAND_INS, StandIns
@@ -30,7 +31,7 @@ log = get_logger("sandboxd.calls")
 
 # How a call that ends in a JSON-RPC error (not a result) is counted and logged.
 _ERROR_STATUS: dict[type[Exception], str] = {Overloaded: "overloaded", BackendUnavailable: "unavailable", ShuttingDown: "shutting_down",
-                                             QuotaExceeded: "over_quota"}
+                                             QuotaExceeded: "over_quota", NotServedHere: "not_served"}
 # A call without env or sensitive arguments registers nothing to mask in its log lines.
 _NO_SECRETS: contextlib.nullcontext[frozenset[str]] = contextlib.nullcontext(frozenset())
 # What a tool's error says when a write failed on a full disk or quota (Node's and libc's wording).
@@ -57,12 +58,26 @@ def text(message: str) -> list[dict[str, str]]:
     return [{"type": "text", "text": message}]
 
 
+class CallGate(Protocol):
+    """Whether this host serves a user now (server/cluster_host.py: the cluster's directory)."""
+
+    def admit(self, user: str) -> int | None:
+        """The user's epoch to serve them at; None: claim them first; raises NotServedHere to refuse."""
+
+    async def claim(self, user: str) -> int: ...
+
+    def served(self, user: str, epoch: int, start: float) -> None:
+        """A call of ``user`` ran here from ``start`` (wall clock) until now."""
+
+
 class CallRunner:
     """Runs checked calls. ``storage``: the disk quota (refuses users over it, measures after calls);
-    ``on_call``: told (tool, status, duration_s, queue_wait_s) as each call ends (the metrics)."""
+    ``on_call``: told (tool, status, duration_s, queue_wait_s) as each call ends (the metrics);
+    ``gate``: with ``cluster:``, whether this host serves the user (asked before a sandbox is taken)."""
 
     def __init__(self, config: Config, pool: Pool, backend: Backend, *, storage: Storage | None = None,
-                 on_call: Callable[[str, str, float, float | None], None] | None = None) -> None:
+                 on_call: Callable[[str, str, float, float | None], None] | None = None,
+                 gate: CallGate | None = None) -> None:
         self.config = config
         self.pool = pool
         self.backend = backend
@@ -70,6 +85,7 @@ class CallRunner:
         # The storage's own set, changed in place: a call asks it before it asks for a refusal.
         self._over_quota: AbstractSet[str] = storage.over_quota if storage is not None else frozenset()
         self.on_call = on_call
+        self.gate = gate
         self.counts: defaultdict[str, int] = defaultdict(int)  # calls by status
         # The sandbox's output budget, as calls.* (of the section it was made from) sets it.
         self._limits_of: CallsConfig | None = None
@@ -79,8 +95,8 @@ class CallRunner:
         """A call in three steps. Every outcome is a result, but a sandbox that could not be had
         (a JSON-RPC error, raised); each is logged and counted once.
 
-        1. Admit: a call cancelled before it got here is answered at once; a user measured over
-           quota is refused, so no sandbox is taken for a call that would add more.
+        1. Admit: a call cancelled before it got here is answered at once; a user another host serves
+           (``cluster:``) or measured over quota is refused, so no sandbox is taken for the call.
         2. In the sandbox: wait for one, check the quota again, call its shim, release the sandbox.
         3. After: the user's folders measured, and a write that failed on a full disk told which
            quota it hit; the call logged and counted just after its answer is written.
@@ -96,10 +112,12 @@ class CallRunner:
             # The call's secrets are masked in this task's log lines, and in its sandbox's (they go with the request).
             values = call.secrets()
             with secret_values(values) if values else _NO_SECRETS as masked:
-                if ctx.cancel_reason is None:
-                    outcome = await self._in_sandbox(call, ctx, masked, on_progress, started, loop)  # 1, 2
-                else:  # 1: cancelled before it got here
+                if ctx.cancel_reason is not None:  # 1: cancelled before it got here
                     outcome = _not_started(ctx, started)
+                elif self.gate is None:
+                    outcome = await self._in_sandbox(call, ctx, masked, on_progress, started, loop)  # 1, 2
+                else:  # 1: with cluster:, a user another host serves is refused before a sandbox is taken
+                    outcome = await self._gated(self.gate, call, ctx, masked, on_progress, started, loop)
         except asyncio.CancelledError:
             if ctx.cancel_reason is None:
                 raise  # the daemon itself is stopping the task
@@ -115,6 +133,20 @@ class CallRunner:
         # Logged and counted just after the answer is written, like the release.
         loop.call_soon(self._record, call, ctx, outcome["status"], time.monotonic() - started)
         return outcome
+
+    async def _gated(self, gate: CallGate, call: CallParams, ctx: CallContext, secrets: frozenset[str],
+                     on_progress: Callable[[list[Any]], None], started: float,
+                     loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+        """``_in_sandbox`` for a user this host serves (the gate asked first, from its local view), logged with
+        the user's epoch as the per-host call log."""
+        epoch = gate.admit(call.user)
+        if epoch is None:  # a user with no home yet: this host claims them, or learns who did
+            epoch = await gate.claim(call.user)
+        start = time.time()
+        try:
+            return await self._in_sandbox(call, ctx, secrets, on_progress, started, loop)
+        finally:
+            gate.served(call.user, epoch, start)
 
     async def _in_sandbox(self, call: CallParams, ctx: CallContext, secrets: frozenset[str],
                           on_progress: Callable[[list[Any]], None], started: float,

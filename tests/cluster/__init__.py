@@ -1,0 +1,1 @@
+"""Several hosts: etcd, certificates and daemons started by the tests (issue 46)."""
