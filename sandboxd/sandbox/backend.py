@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from sandboxd.rules.tool_network import ToolNetwork
     from sandboxd.tools.discovery import Tool
     from sandboxd.tools.esbuild import Esbuild
+    from sandboxd.tools.permissions import EmailAccess
 
 ProgressCallback = Callable[[list[Any]], None]
 
@@ -44,7 +45,7 @@ class SandboxSpec:
     tools_dir: Path  # DATA_PATH/tools, read-only
     user_dir: Path  # DATA_PATH/<user>, read-write
     user_tools_dir: Path  # DATA_PATH/<user>/tools, read-only over user_dir
-    email_db: Path | None  # its folder is mounted read-write (sandbox/mounts.py, email_dir)
+    email_db: Path | None  # its folder is mounted at /officer/data as email_access says (sandbox/mounts.py, email_dir)
     # (host path, sandbox path) pairs bound read-only on top; `sandboxd run` mounts the one tool
     # it runs this way. The daemon never sets it: clients must not choose host paths.
     read_only_mounts: tuple[tuple[Path, str], ...] = ()
@@ -59,6 +60,9 @@ class SandboxSpec:
     # Makes the user's folders under their disk quota before they are mounted (storage/quota.py);
     # blocking, called where the folders are made. None: plain folders.
     provision: Callable[[str], None] | None = None
+    # The email database's folder: not mounted (none), read-only (read) or read-write (write), for the
+    # sandbox's whole life; it serves only calls of tools with the same access (sandbox/email_access.py).
+    email_access: EmailAccess = "write"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from typing import Callable, Literal
 from sandboxd.config import Config, email_db_path, shim_line_bytes
 from sandboxd.egress.contract import Egress
 from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.email_access import FULL_ACCESS
+from sandboxd.tools.permissions import EmailAccess
 from sandboxd.users import global_tools_dir, user_dir, user_tools_dir
 
 BackendName = Literal["docker", "process", "fake"]
@@ -32,8 +34,10 @@ def make_backend(config: Config, name: BackendName, *, instance: str, shim_dir: 
 
 def user_sandbox_spec(config: Config, user: str, *, egress: Egress | None = None,
                       transpile_cache: Path | None = None,
-                      provision: Callable[[str], None] | None = None) -> SandboxSpec:
-    """What a sandbox of ``user`` mounts: the global tools, the user's folder, tools and email database."""
+                      provision: Callable[[str], None] | None = None,
+                      email_access: EmailAccess = FULL_ACCESS) -> SandboxSpec:
+    """What a sandbox of ``user`` mounts: the global tools, the user's folder, tools and, with ``email_access``,
+    the email database."""
     data = config.data_path
     return SandboxSpec(
         user=user,
@@ -45,4 +49,5 @@ def user_sandbox_spec(config: Config, user: str, *, egress: Egress | None = None
         egress=egress,
         transpile_cache=transpile_cache,
         provision=provision,
+        email_access=email_access,
     )

@@ -219,7 +219,8 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
 
     The folders are made when missing (the user's data folder 0700: only the daemon and,
     through the ACL, the sandbox uid get in). The email database's folder is mounted
-    whole (email_dir); access it cannot be given is a warning, not a failed start.
+    whole (email_dir), read-only or read-write as ``spec.email_access`` says, or not at all;
+    access it cannot be given is a warning, not a failed start.
     """
     root = spec.root
     if spec.provision is not None:  # before anything below makes the user's folders as plain ones
@@ -232,10 +233,11 @@ def sandbox_binds(spec: SandboxSpec, uid: int) -> tuple[list[Bind], list[str]]:
     if spec.transpile_cache is not None:  # the daemon's own folder; read-only, or one sandbox could poison all
         binds.append(Bind(CONTAINER_CACHE, _dir(root, spec.transpile_cache, uid, R | X, 0o755), True))
     warnings: list[str] = []
-    if spec.email_db is not None:
+    # Fixed for the sandbox's life: a grant given for one call could not be taken back (sandbox/email_access.py).
+    if spec.email_db is not None and spec.email_access != "none":
         email = email_dir(spec.email_db, root, uid, warnings)
         if email is not None:
-            binds.append(Bind(CONTAINER_EMAIL_DIR, email, False))
+            binds.append(Bind(CONTAINER_EMAIL_DIR, email, spec.email_access == "read"))
     return binds, warnings
 
 

@@ -28,6 +28,7 @@ from sandboxd.config import PoolConfig
 from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, ShuttingDown
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.email_access import owner_user
 from sandboxd.sandbox.pooled import BUSY, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
 from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Start, bump, holdings,
                                      refusal, serve_fairly)
@@ -142,12 +143,13 @@ class Pool:
         self._apply(self._plan())
 
     def retire(self, user: str) -> list[str]:
-        """``user`` went over their disk quota: their sandboxes that ran a tool are replaced, as if their
-        settings were old (idle ones now, busy ones at their call's end); returns their ids."""
-        used = [pooled for pooled in self._of_user.get(user, ()) if pooled.calls or pooled.current is BUSY]
+        """``user`` went over their disk quota: their sandboxes that ran a tool, of every email access, are
+        replaced as if their settings were old (idle ones now, busy ones at their call's end); returns their ids."""
+        owners = [key for key in self._of_user if owner_user(key) == user]
+        used = [pooled for key in owners for pooled in self._of_user[key] if pooled.calls or pooled.current is BUSY]
         for pooled in used:
             pooled.generation = -1
-        self._replan(user)
+        self._apply(self._plan(None if self._waiters or len(owners) > 1 else user))
         return [pooled.id for pooled in used]
 
     def maintain(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from sandboxd.config import PoolConfig
+from sandboxd.sandbox.email_access import owner_user
 from sandboxd.sandbox.pooled import HELD, STOPPING, PooledSandbox, Waiter
 
 
@@ -236,14 +237,14 @@ def holdings(sandboxes: Iterable[PooledSandbox], waiters: Iterable[Waiter], conf
     active, and the fair share max-min fairness gives each of them in a full pool."""
     keys = ("starting", "idle", "busy", "stopping", "waiting", "holding")
     users: dict[str, dict[str, int]] = {}
-    for pooled in sandboxes:
-        row = users.setdefault(pooled.user, dict.fromkeys(keys, 0))
+    for pooled in sandboxes:  # a user's sandboxes of every email access in one row
+        row = users.setdefault(owner_user(pooled.user), dict.fromkeys(keys, 0))
         state = pooled.current
         row[state.value] += 1
         if state in HELD:
             row["holding"] += 1
     for waiter in waiters:
-        users.setdefault(waiter.user, dict.fromkeys(keys, 0))["waiting"] += 1
+        users.setdefault(owner_user(waiter.user), dict.fromkeys(keys, 0))["waiting"] += 1
     totals = {key: sum(row[key] for row in users.values()) for key in keys}
     active = sum(1 for row in users.values() if row["holding"] or row["waiting"])
     sharing = {"reserve": config.reserved, "activeUsers": active,

@@ -20,6 +20,7 @@ from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
+from sandboxd.sandbox.email_access import owner_access, owner_user
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
@@ -115,9 +116,11 @@ class Server:
     def orphans_reaped(self) -> int:
         return self.orphans.reaped
 
-    def spec_for(self, user: str) -> SandboxSpec:
-        return user_sandbox_spec(self.config, user, egress=self.egress, transpile_cache=self.transpile_cache.directory,
-                                 provision=self.storage.provision)
+    def spec_for(self, owner: str) -> SandboxSpec:
+        """The spec of a sandbox of the pool's ``owner``: a user, and the email access its sandboxes carry."""
+        return user_sandbox_spec(self.config, owner_user(owner), egress=self.egress,
+                                 transpile_cache=self.transpile_cache.directory, provision=self.storage.provision,
+                                 email_access=owner_access(owner))
 
     # -- startup ---------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.rules.browser_relay import relay_for_call
 from sandboxd.rules.secrets import NO_STAND_INS, StandIns
 from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits
+from sandboxd.sandbox.email_access import call_owner
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls.context import (CallContext, GraceExpired, Killed, ProgressBudget, ProgressCapExceeded,
                                           TimedOut)
@@ -159,7 +160,9 @@ class CallRunner:
         request, guard = self._request(call, secrets)
         ctx.enter_queue()
         queued_at = time.monotonic()
-        pooled = await self.pool.acquire(call.user)  # 2
+        # A sandbox carrying the tool's email access, and no other (sandbox/email_access.py).
+        pooled = await self.pool.acquire(call_owner(call.user, call.tool.permissions,
+                                                    self.config.tools.require_permissions))  # 2
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = True  # a sandbox the quota check refuses ran nothing
         try:
