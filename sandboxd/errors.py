@@ -64,6 +64,13 @@ class NotServedHere(SandboxdError):
         self.reason = reason
 
 
+class NotAllowed(SandboxdError):
+    """A method the peer's certificate may not call over the cluster listener (cluster/roles.py); ``data`` names
+    the ``role`` and the ``method``."""
+
+    code = -32006
+
+
 class UnsafeMount(BackendUnavailable):
     """A path sandboxd would mount into a sandbox is a link or not what it should be; the sandbox is not started."""
 

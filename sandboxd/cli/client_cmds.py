@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -11,6 +12,7 @@ from typing import Any, Mapping
 
 from sandboxd.cli.common import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_argument_flags, fail, parse_tool_arguments,
                                  print_progress, print_result)
+from sandboxd.cli.remote import add_node_address, check_node_address, open_daemon
 from sandboxd.client import Client, DaemonUnreachable, RpcError
 from sandboxd.config import Config
 
@@ -37,6 +39,7 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     s = subparsers.add_parser("status", parents=[parent], help="show a running daemon's status",
                               description="Print sandbox/status of a running daemon.")
     s.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
+    add_node_address(s)
     s.add_argument("--json", action="store_true", help="print the raw status object")
     s.set_defaults(handler=run_status)
 
@@ -93,9 +96,15 @@ def run_call(args: argparse.Namespace, config: Config) -> int:
 
 
 def run_status(args: argparse.Namespace, config: Config) -> int:
+    usage = check_node_address(args, config)
+    if usage is not None:
+        return fail(usage, EXIT_USAGE)
     try:
-        with Client(config.socket) as client:
-            status = client.request("sandbox/status")
+        if args.node_address is not None:
+            status = asyncio.run(_remote_status(args, config))
+        else:
+            with Client(config.socket) as client:
+                status = client.request("sandbox/status")
     except (DaemonUnreachable, RpcError) as exc:
         return fail(str(exc), EXIT_USAGE)
     if args.json:
@@ -103,6 +112,14 @@ def run_status(args: argparse.Namespace, config: Config) -> int:
         return EXIT_OK
     print(format_status(status))
     return EXIT_OK
+
+
+async def _remote_status(args: argparse.Namespace, config: Config) -> Any:
+    client = await open_daemon(args, config)
+    try:
+        return await client.call("sandbox/status")
+    finally:
+        await client.close()
 
 
 def count(n: int, noun: str, many: str | None = None) -> str:

@@ -31,6 +31,7 @@ from sandboxd.server.lifecycle import Lifecycle
 from sandboxd.server.orphans import OrphanSweep
 from sandboxd.server.reload import config_change
 from sandboxd.server.rpc import Later, Method
+from sandboxd.server.tls_listener import TlsListener, start_cluster_listener
 from sandboxd.server.watch import ToolWatch
 from sandboxd.service import systemd
 from sandboxd.service.fds import ClientShares, FdBudget, raise_nofile_limit
@@ -104,6 +105,7 @@ class Server:
         # Planned at start-up from RLIMIT_NOFILE (service/fds.py): what clients, and sandboxes, may hold.
         self.clients: ClientShares | None = None
         self.orphans = OrphanSweep(self.backend, config.data_path)
+        self.cluster_listener: TlsListener | None = None  # cluster.listen's: other hosts, routers, operators
         self._held = _Held()
         self.started_at = time.monotonic()
         self._reloading = asyncio.Lock()
@@ -133,7 +135,8 @@ class Server:
            call); the orphans removed; the transpile cache filled in the background.
         4. The disk quota: ``enforcement: hard`` that cannot be had stops start-up here; then, with ``cluster:``,
            the registration in the directory (an etcd that does not answer stops it too).
-        5. The metrics endpoint, before the socket: a bad address stops start-up with nothing to undo.
+        5. The metrics endpoint and the cluster listener, before the socket: a bad address (or certificate) stops
+           start-up with nothing to undo.
         6. The socket, then the maintenance tick and the tool watch.
         """
         cfg, held, loop = self.config, self._held, asyncio.get_running_loop()
@@ -153,6 +156,7 @@ class Server:
             await self.cluster.start()
         if cfg.metrics.listen is not None:  # 5
             await self.metrics.start(cfg.metrics.listen, socket_group=cfg.socket_group)
+        self.cluster_listener = start_cluster_listener(self, cfg.cluster, self.fd_budget)
         held.owns_socket_file = listen_socket is None  # 6
         sock = held.listener = listen_socket or self._bind_socket()
         sock.setblocking(False)
@@ -419,8 +423,8 @@ class Server:
     async def shutdown(self) -> None:
         """In a fixed order, bounded by pool.shutdown_grace_s and CANCELLED_CALLS_WAIT_S:
 
-        1. Stop accepting connections, and remove the socket file so clients fail fast; stop the
-           metrics endpoint, the maintenance tick and the tool watch.
+        1. Stop accepting connections (the cluster listener's too), and remove the socket file so clients fail
+           fast; stop the metrics endpoint, the maintenance tick and the tool watch.
         2. Let calls in flight finish, up to the grace period.
         3. Cancel what is left: each answers ``cancelled`` and its sandbox is killed.
         4. Destroy every sandbox (busy ones were released by their calls above).
@@ -446,6 +450,8 @@ class Server:
             if held.owns_socket_file:
                 self.config.socket.unlink(missing_ok=True)
         await self.metrics.close()
+        if self.cluster_listener is not None:
+            self.cluster_listener.close()
         for task in held.tasks:
             task.cancel()
 

@@ -41,6 +41,9 @@ EGRESS_REFUSING = 4
 # Connections past max_client_connections one uid may have open while they are answered
 # with the refusal; past that they are closed unanswered at once.
 CLIENT_REFUSING = 8
+# The cluster listener's (cluster.listen), when there is one: its handshakes in progress and the connections
+# of other hosts, routers and operators, apart from the unix socket's clients (server/tls_listener.py).
+TLS_LISTENER_FDS = 256
 # Below this, clients (pi-bridge sessions, `sandboxd mcp`, the CLI) would queue for a connection.
 MIN_CLIENT_FDS = 64
 # Each uid may hold a quarter of the clients' share: four uids at their cap fill it, one never does.
@@ -61,6 +64,7 @@ class FdBudget:
     clients: int  # every connection to the API socket together, refused ones included
     per_client: int  # connections one peer uid may hold (max_client_connections, or a share of clients)
     pipes: int = RELAY_PIPE_FDS  # the egress relay's pipes, every tunnel's together
+    tls: int = 0  # the cluster listener's handshakes and connections (TLS_LISTENER_FDS when it listens)
 
     @classmethod
     def plan(cls, config: Config, limit: int) -> FdBudget:
@@ -68,15 +72,16 @@ class FdBudget:
         egress = config.egress.max_connections
         per_sandbox = egress_fds(egress) + SANDBOX_OWN_FDS
         sandboxes = config.pool.max_total * per_sandbox
-        clients = limit - RESERVED_FDS - RELAY_PIPE_FDS - sandboxes
+        tls = TLS_LISTENER_FDS if config.cluster is not None and config.cluster.listen is not None else 0
+        clients = limit - RESERVED_FDS - RELAY_PIPE_FDS - sandboxes - tls
         if clients < MIN_CLIENT_FDS:
-            need = RESERVED_FDS + RELAY_PIPE_FDS + sandboxes + MIN_CLIENT_FDS
+            need = RESERVED_FDS + RELAY_PIPE_FDS + tls + sandboxes + MIN_CLIENT_FDS
             raise ConfigError(
                 f"the file descriptor limit ({limit}, RLIMIT_NOFILE) cannot hold this configuration: "
                 f"pool.max_total ({config.pool.max_total}) sandboxes of {per_sandbox} descriptors each "
                 f"(2 x egress.max_connections ({egress}) + {EGRESS_REFUSING + SANDBOX_OWN_FDS} of their own) "
                 f"is {sandboxes}; with {RESERVED_FDS} for the daemon itself, {RELAY_PIPE_FDS} for the egress relay's "
-                f"pipes and {MIN_CLIENT_FDS} for clients it needs {need}. Raise the limit to at least {need} "
+                f"pipes, {tls} for the cluster listener and {MIN_CLIENT_FDS} for clients it needs {need}. Raise the limit to at least {need} "
                 f"(LimitNOFILE= in the systemd unit, `ulimit -Hn` in a shell), or lower pool.max_total or "
                 "egress.max_connections.")
         derived = (clients - CLIENT_REFUSING) // CLIENT_SHARE_DIVISOR
@@ -85,10 +90,11 @@ class FdBudget:
             raise ConfigError(
                 f"max_client_connections ({per_client}) does not fit the clients' share of the file descriptor "
                 f"limit ({clients} of {limit}, after {sandboxes} for the sandboxes and "
-                f"{RESERVED_FDS + RELAY_PIPE_FDS} for the daemon and its relay's pipes): set it to at most "
+                f"{RESERVED_FDS + RELAY_PIPE_FDS + tls} for the daemon, its relay's pipes and its cluster listener): "
+                f"set it to at most "
                 f"{clients - CLIENT_REFUSING} (or leave it unset: {derived}), or raise the limit (LimitNOFILE= in "
                 "the systemd unit).")
-        return cls(limit, RESERVED_FDS, per_sandbox, sandboxes, clients, per_client, RELAY_PIPE_FDS)
+        return cls(limit, RESERVED_FDS, per_sandbox, sandboxes, clients, per_client, RELAY_PIPE_FDS, tls)
 
 
 def raise_nofile_limit() -> tuple[int, int, int]:
