@@ -229,7 +229,7 @@ def sync_command(args: argparse.Namespace, config: Config) -> int:
 
 
 def validate_command(args: argparse.Namespace, config: Config) -> int:
-    problems = validate_paths(args.paths, data_path=config.data_path)
+    problems = validate_paths(args.paths, data_path=config.data_path, required=config.tools.require_permissions)
     synced = global_tools_dir(config.data_path)
     # Which data the bump check read: a wrong data path would make it pass silently.
     if synced.is_dir():

@@ -21,6 +21,7 @@ from sandboxd.tools.manifest import (
     read_version,
     suggest_snake_case,
 )
+from sandboxd.tools.permissions import NOTHING
 
 REPO = Path(__file__).resolve().parents[2]
 PATH = Path("tools/demo/TOOL.md")
@@ -84,12 +85,13 @@ def test_the_quick_start_example_parses_completely() -> None:
         name="hello",
         label="Hello",
         description="Says hello to the user. Use this when the user wants a greeting.",
-        version=1,
+        version=2,
         language="typescript",
         inputs=(Input(name="name", type="string", description="Who to greet."),),
         body="# Hello Tool\n\nGreets the user by name.\n\n## Usage\n\n"
              "Call with a `name` parameter to get a personalized greeting.",
         path=path,
+        permissions=NOTHING,  # the seed's copy declares that it needs nothing (issue 48)
     )
 
 

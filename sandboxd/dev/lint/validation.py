@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterable
 
 from sandboxd.dev.lint.entry import check_entry_file
+from sandboxd.dev.lint.permissions import check_permissions_file
 from sandboxd.dev.lint.synced import check_synced_copy
 from sandboxd.tools.discovery import (
     ENTRY_FILES,
@@ -22,10 +23,11 @@ from sandboxd.tools.manifest import MANIFEST_FILE, parse_manifest
 from sandboxd.tools.problem import Problem
 
 
-def validate_paths(paths: Iterable[Path], data_path: Path | None = None) -> list[Problem]:
+def validate_paths(paths: Iterable[Path], data_path: Path | None = None, required: bool = False) -> list[Problem]:
     """Every problem of the tools at these paths: tool directories, TOOL.md files or directories of tools.
 
-    With ``data_path``, each tool is also compared with its synced copy in DATA_PATH/tools.
+    With ``data_path``, each tool is also compared with its synced copy in DATA_PATH/tools;
+    ``required`` (tools.require_permissions) holds a tool without a permissions block to nothing.
     """
     problems: list[Problem] = []
     for path in map(Path, paths):
@@ -35,14 +37,16 @@ def validate_paths(paths: Iterable[Path], data_path: Path | None = None) -> list
         elif path.is_file():
             problems.extend(parse_manifest(path)[1])
         elif _is_tool_dir(path):
-            problems.extend(validate_tool_dir(path, root=path.parent, data_path=data_path)[1])
+            problems.extend(validate_tool_dir(path, root=path.parent, data_path=data_path, required=required)[1])
         else:
-            problems.extend(_validate_root(path, data_path))
+            problems.extend(_validate_root(path, data_path, required))
     return problems
 
 
-def validate_tool_dir(tool_dir: Path, root: Path, data_path: Path | None = None) -> tuple[Tool | None, list[Problem]]:
-    """One tool directory: its manifest, its entry file's code, and (with ``data_path``) its synced copy.
+def validate_tool_dir(tool_dir: Path, root: Path, data_path: Path | None = None,
+                      required: bool = False) -> tuple[Tool | None, list[Problem]]:
+    """One tool directory: its manifest, its entry file's code (with what it uses against its permissions
+    block), and (with ``data_path``) its synced copy.
 
     The tool is None when its manifest or files make it unusable; code findings are reported but,
     like the loader, discovery does not look at the code.
@@ -51,12 +55,14 @@ def validate_tool_dir(tool_dir: Path, root: Path, data_path: Path | None = None)
     entry = next((tool_dir / name for name in ENTRY_FILES if (tool_dir / name).is_file()), None)
     if entry is not None:
         problems.extend(check_entry_file(entry))
+        if tool is not None:
+            problems.extend(check_permissions_file(entry, tool.permissions, required))
     if tool is not None and data_path is not None:
         problems.extend(check_synced_copy(tool_dir, data_path))
     return tool, problems
 
 
-def _validate_root(root: Path, data_path: Path | None = None) -> list[Problem]:
+def _validate_root(root: Path, data_path: Path | None = None, required: bool = False) -> list[Problem]:
     candidates = tool_dirs(root)
     if not candidates:
         return [Problem(root, f"holds no {MANIFEST_FILE} and no tool directories",
@@ -64,7 +70,7 @@ def _validate_root(root: Path, data_path: Path | None = None) -> list[Problem]:
     problems = _root_bounds(root, candidates)
     by_name: dict[str, Tool] = {}
     for tool_dir in candidates:
-        tool, tool_problems = validate_tool_dir(tool_dir, root, data_path)
+        tool, tool_problems = validate_tool_dir(tool_dir, root, data_path, required)
         problems.extend(tool_problems)
         if tool is not None:
             if tool.name in by_name:
