@@ -1,0 +1,65 @@
+"""``ping`` and ``sandbox/status`` through the router: every host asked at once, each answer kept under its
+name, and the hosts that did not answer within ``FLEET_TIMEOUT_S`` listed (docs/protocol.md, "Through the router")."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sandboxd import __version__
+from sandboxd.config import Config
+from sandboxd.errors import SandboxdError
+from sandboxd.router.forward import Hosts
+from sandboxd.router.routing import Directory
+
+FLEET_TIMEOUT_S = 2.0
+
+
+async def ask_all(method: str, view: Directory, hosts: Hosts) -> tuple[dict[str, Any], list[str]]:
+    """(node → (result, ms)) of the hosts that answered ``method`` in time, and the names of those that did not."""
+    registered = [host for host in view.nodes().values() if host.address is not None]
+
+    async def ask(node: str, address: str | None) -> tuple[Any, float]:
+        assert address is not None
+        started = time.monotonic()
+        answer = await hosts.get(node, address).call(method, None, timeout_s=FLEET_TIMEOUT_S)
+        return answer.get("result"), (time.monotonic() - started) * 1000
+
+    results = await asyncio.gather(*(ask(host.name, host.address) for host in registered), return_exceptions=True)
+    answered: dict[str, Any] = {}
+    silent: list[str] = []
+    for host, result in zip(registered, results):
+        if isinstance(result, (SandboxdError, asyncio.TimeoutError)):
+            silent.append(host.name)
+        elif isinstance(result, BaseException):
+            raise result
+        elif result[0] is None:
+            silent.append(host.name)  # an error answer
+        else:
+            answered[host.name] = result
+    return answered, sorted(silent)
+
+
+async def ping(view: Directory, hosts: Hosts) -> dict[str, Any]:
+    answered, silent = await ask_all("ping", view, hosts)
+    return {"hosts": {node: {"ms": round(ms, 2)} for node, (_, ms) in sorted(answered.items())}, "unanswered": silent}
+
+
+async def status(config: Config, view: Directory, hosts: Hosts, *, connections: int, in_flight: int,
+                 started_at: float) -> dict[str, Any]:
+    """The router's own figures, the fleet's limits (its hosts share one configuration) and every host's status."""
+    answered, silent = await ask_all("sandbox/status", view, hosts)
+    states = {name: host.state for name, host in view.nodes().items()}
+    return {
+        "version": __version__,
+        "protocol": 1,
+        "router": True,
+        "uptimeS": round(time.monotonic() - started_at, 1),
+        "connections": connections,
+        "callsInFlight": in_flight,
+        "limits": {"defaultTimeoutMs": config.calls.default_timeout_ms, "maxTimeoutMs": config.calls.max_timeout_ms,
+                   "allowedEnv": list(config.calls.allowed_env)},
+        "hosts": {node: {"state": states.get(node), **result} for node, (result, _) in sorted(answered.items())},
+        "unanswered": silent + sorted(name for name, host in view.nodes().items() if host.address is None),
+    }

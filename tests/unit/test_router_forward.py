@@ -1,0 +1,255 @@
+"""The router's forwarding rules against scripted hosts on unix sockets: a refusal retried as the rules say,
+a call that may have run never sent twice, a cancel and a progress stream that follow their call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from sandboxd.cluster.records import NodeRecord, UserRecord
+from sandboxd.errors import NotServedHere
+from sandboxd.router.forward import Forward, Hosts, NotSent, Sending, routed
+from sandboxd.router.upstream import UpstreamLost, unix_dial
+from sandboxd.router.server import _rewrite
+from sandboxd.wire import PROGRESS, encode, error_object, error_response, notification, response
+
+USER = "alice@example.com"
+Script = Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]
+
+
+class FakeHost:
+    """A host that answers every request with ``script``; ``seen`` is every message it read."""
+
+    def __init__(self, path: Path, script: Script) -> None:
+        self.path, self.script = path, script
+        self.seen: list[dict[str, Any]] = []
+
+    async def start(self) -> FakeHost:
+        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            message = json.loads(line)
+            self.seen.append(message)
+            await self.script(message, writer)
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [message for message in self.seen if message.get("method") == "tools/call"]
+
+
+class View:
+    def __init__(self) -> None:
+        self.hosts: dict[str, NodeRecord] = {}
+        self.users: dict[str, UserRecord] = {}
+        self._changed = asyncio.Event()
+
+    def home(self, user: str) -> UserRecord | None:
+        return self.users.get(user)
+
+    def node(self, name: str) -> NodeRecord | None:
+        return self.hosts.get(name)
+
+    def nodes(self) -> dict[str, NodeRecord]:
+        return self.hosts
+
+    async def claim(self, user: str, node: str) -> UserRecord:
+        self.users.setdefault(user, UserRecord(user, node, 1))
+        return self.users[user]
+
+    async def changed(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def put(self, user: str, record: UserRecord) -> None:
+        self.users[user] = record
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+async def ok(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    if "id" in message:
+        writer.write(encode(response(message["id"], {"status": "ok", "served": "ok"})))
+
+
+def refusing(reason: str, **data: Any) -> Script:
+    async def refuse(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(encode(error_response(message["id"], error_object(-32005, reason, {"reason": reason, **data}))))
+    return refuse
+
+
+def run(short_dir: Path, scripts: dict[str, Script], scenario: Callable[..., Awaitable[None]]) -> None:
+    async def main() -> None:
+        view = View()
+        hosts = {name: await FakeHost(short_dir / f"{name}.sock", script).start() for name, script in scripts.items()}
+        for name, host in hosts.items():
+            view.hosts[name] = NodeRecord(name, str(host.path))
+        upstreams = Hosts(unix_dial, lambda _node, _message: None, lambda _conn: None)
+        try:
+            await scenario(view, hosts, upstreams)
+        finally:
+            upstreams.close()
+            for host in hosts.values():
+                host.server.close()
+    asyncio.run(main())
+
+
+def call(deadline_s: float = 5.0, **kwargs: Any) -> Sending:
+    return Sending("tools/call", {"user": USER, "name": "hello"}, deadline_s=deadline_s, wait_s=10, **kwargs)
+
+
+def test_a_new_user_is_claimed_then_served(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        answer = await routed(USER, call(), view, upstreams)
+        assert answer["result"]["status"] == "ok"
+        home = view.users[USER].node
+        assert len(hosts[home].calls()) == 1 and sum(len(host.calls()) for host in hosts.values()) == 1
+
+    run(short_dir, {"a": ok, "b": ok}, scenario)
+
+
+def test_elsewhere_is_retried_once_at_the_named_host(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)  # stale: b holds the user
+        hosts["a"].script = refusing("elsewhere", node="b", address=str(hosts["b"].path))
+        answer = await routed(USER, call(), view, upstreams)
+        assert answer["result"]["served"] == "ok"
+        assert (len(hosts["a"].calls()), len(hosts["b"].calls())) == (1, 1)
+
+    run(short_dir, {"a": ok, "b": ok}, scenario)
+
+
+def test_a_second_elsewhere_is_answered_not_followed(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        hosts["a"].script = refusing("elsewhere", node="b", address=str(hosts["b"].path))
+        hosts["b"].script = refusing("elsewhere", node="a", address=str(hosts["a"].path))
+        answer = await routed(USER, call(), view, upstreams)
+        assert answer["error"]["data"]["reason"] == "elsewhere"
+        assert (len(hosts["a"].calls()), len(hosts["b"].calls())) == (1, 1)
+
+    run(short_dir, {"a": ok, "b": ok}, scenario)
+
+
+def test_a_call_whose_connection_dies_is_never_sent_again(short_dir: Path) -> None:
+    async def die(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        with pytest.raises(UpstreamLost, match="may have run"):
+            await routed(USER, call(), view, upstreams)
+        await asyncio.sleep(0.1)
+        assert len(hosts["a"].calls()) == 1 and not hosts["b"].calls()
+
+    run(short_dir, {"a": die, "b": ok}, scenario)
+
+
+def test_moving_waits_for_the_view_then_goes_to_the_new_home(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1, "moving", "b")
+        routing = asyncio.ensure_future(routed(USER, call(), view, upstreams))
+        await asyncio.sleep(0.3)
+        assert not routing.done() and not hosts["a"].calls()
+        view.put(USER, UserRecord(USER, "b", 2))
+        answer = await asyncio.wait_for(routing, 2)
+        assert answer["result"]["status"] == "ok" and len(hosts["b"].calls()) == 1 and not hosts["a"].calls()
+
+    run(short_dir, {"a": ok, "b": ok}, scenario)
+
+
+def test_moving_past_the_calls_deadline_is_answered_moving(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        hosts["a"].script = refusing("moving", retry_after_ms=1000)  # the view has not seen the move yet
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(NotServedHere) as refused:
+            await routed(USER, call(deadline_s=0.6), view, upstreams)
+        assert refused.value.reason == "moving"
+        assert 0.5 <= asyncio.get_running_loop().time() - started < 3
+        assert len(hosts["a"].calls()) >= 2  # asked again as the view was looked at again: a refusal ran nothing
+
+    run(short_dir, {"a": ok}, scenario)
+
+
+def test_a_cancel_follows_the_call_to_its_host(short_dir: Path) -> None:
+    async def hold(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if message.get("method") == "notifications/cancelled":
+            request_id = message["params"]["requestId"]
+            writer.write(encode(response(request_id, {"status": "cancelled"})))
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        forward = Forward()
+        routing = asyncio.ensure_future(routed(USER, call(forward=forward), view, upstreams))
+        while not hosts["a"].calls():
+            await asyncio.sleep(0.01)
+        forward.cancel("stop")
+        answer = await asyncio.wait_for(routing, 2)
+        assert answer["result"]["status"] == "cancelled"
+        cancel = hosts["a"].seen[-1]
+        assert cancel["params"] == {"requestId": hosts["a"].calls()[0]["id"], "reason": "stop"}
+
+    run(short_dir, {"a": hold}, scenario)
+
+
+def test_a_cancel_before_a_host_is_reached_sends_nothing(short_dir: Path) -> None:
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1, "moving", "b")
+        forward = Forward()
+        routing = asyncio.ensure_future(routed(USER, call(forward=forward), view, upstreams))
+        await asyncio.sleep(0.05)
+        forward.cancel("stop")
+        with pytest.raises(NotSent):
+            await asyncio.wait_for(routing, 0.2)  # at once, not at the next look at the view
+        assert not hosts["a"].seen
+
+    run(short_dir, {"a": ok}, scenario)
+
+
+def test_progress_reaches_the_caller_under_its_own_token(short_dir: Path) -> None:
+    async def progress_then_answer(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        token = message["params"]["_meta"]["progressToken"]
+        for count in (1, 2):
+            writer.write(encode(notification(PROGRESS, {"progressToken": token, "progress": count, "content": []})))
+        writer.write(encode(response(message["id"], {"status": "ok"})))
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        heard: list[dict[str, Any]] = []
+        sending = Sending("tools/call", {"user": USER, "name": "hello", "_meta": {"progressToken": "mine"}},
+                          deadline_s=5, wait_s=5, on_progress=heard.append, client_token="mine", rewrite=_rewrite)
+        # Two at once on one connection: each hears only its own progress.
+        others: list[dict[str, Any]] = []
+        other = Sending("tools/call", {"user": USER, "name": "hello", "_meta": {"progressToken": "mine"}},
+                        deadline_s=5, wait_s=5, on_progress=others.append, client_token="theirs", rewrite=_rewrite)
+        await asyncio.gather(routed(USER, sending, view, upstreams), routed(USER, other, view, upstreams))
+        assert [(p["progressToken"], p["progress"]) for p in heard] == [("mine", 1), ("mine", 2)]
+        assert [(p["progressToken"], p["progress"]) for p in others] == [("theirs", 1), ("theirs", 2)]
+
+    run(short_dir, {"a": progress_then_answer}, scenario)
+
+
+def test_a_caller_that_leaves_frees_its_slot_and_cancels_upstream(short_dir: Path) -> None:
+    async def hold(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        return None
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)
+        routing = asyncio.ensure_future(routed(USER, call(), view, upstreams))
+        while not hosts["a"].calls():
+            await asyncio.sleep(0.01)
+        routing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await routing
+        assert upstreams.by_node["a"].in_flight == 0
+        await asyncio.sleep(0.05)
+        assert hosts["a"].seen[-1]["method"] == "notifications/cancelled"
+
+    run(short_dir, {"a": hold}, scenario)
