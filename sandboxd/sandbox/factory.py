@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -22,7 +23,9 @@ def make_backend(config: Config, name: BackendName, *, instance: str, shim_dir: 
     if name == "docker":
         from sandboxd.sandbox.docker import DockerBackend
 
-        return DockerBackend(config.sandbox, instance=instance, max_line_bytes=max_line, shim_dir=shim_dir)
+        # Not root: a gVisor sandbox's Sentry is another user's, killed by the privileged helper (sentry.py).
+        helper = None if os.geteuid() == 0 else config.storage.helper_socket
+        return DockerBackend(config.sandbox, instance=instance, max_line_bytes=max_line, shim_dir=shim_dir, helper=helper)
     if name == "process":
         from sandboxd.sandbox.process_backend import ProcessBackend
 

@@ -1,8 +1,8 @@
-"""sandboxd-quota: the one thing an unprivileged daemon needs root for, a user's folders under their quota.
+"""sandboxd-quota: what an unprivileged daemon needs root for, a user's folders under their quota and a kill.
 
 Socket-activated (packaging/systemd/sandboxd-quota.socket, Accept=yes): systemd starts one
-short instance per connection, with the connection as its stdin, and CAP_SYS_ADMIN (qgroups)
-and CAP_CHOWN (the new folders go to the daemon) as its only capabilities. The request is a
+short instance per connection, with the connection as its stdin, and CAP_SYS_ADMIN (qgroups),
+CAP_CHOWN (the new folders go to the daemon) and CAP_KILL as its capabilities. The request is a
 user NAME, checked like the daemon checks it; the paths come from the configuration this
 helper reads itself, never from the request, and are opened without following links
 (storage/provision.py, provision_user). Only the daemon's uid (``--daemon-user``) is served: the
@@ -11,9 +11,17 @@ The daemon's request line must arrive within READ_DEADLINE_S, trickled bytes or 
 silent peer cannot hold an instance (systemd allows 8 at once). The limits are the
 configuration's, not the caller's; the configuration is read only once a request is in.
 
+The daemon's second need for root: ending a condemned gVisor sandbox at once, by a SIGKILL to its
+Sentry, which runs as another user (sandbox/docker/sentry.py says why the engine's kill is not
+enough). The request names a container in full; the helper asks the engine whether it is a sandbox
+of this configuration's daemon and which process is its Sentry, and signals only that process, only
+in that container's cgroup (``kill_owned_sandbox``). A compromised daemon can so end its own
+sandboxes and nothing else.
+
 Protocol: one JSON line in, one out. ``{"op": "check"}`` → ``{"ok": true}``;
 ``{"op": "provision", "user": "alice@example.com"}`` → ``{"ok": true, "areas": {...}}``;
-any problem → ``{"error": "..."}``.
+``{"op": "kill", "container": "<64 hex digits>"}`` → ``{"ok": true, "outcome": "killed"}`` (or gone,
+not_its); any problem → ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ MAX_REQUEST = 4096
 READ_DEADLINE_S = 0.5
 
 Answer = dict[str, Any]
+# Each op and the keys its request carries besides "op".
+OPS = {"check": set(), "provision": {"user"}, "kill": {"container"}}
+ENGINE_TIMEOUT_S = 10.0  # the kill's inspect: the daemon waits for this answer before it removes the sandbox
 
 
 def peer(sock: socket.socket) -> tuple[int, int, int]:
@@ -61,14 +72,38 @@ def handle(line: bytes, peer_uid: int, peer_gid: int, *, daemon_uid: int, config
         request = json.loads(line)
     except ValueError:
         return {"error": "the request is not a JSON line"}
-    if not isinstance(request, dict) or set(request) - {"op", "user"}:
-        return {"error": "the request must be {\"op\": \"check\"} or {\"op\": \"provision\", \"user\": NAME}"}
+    if not isinstance(request, dict):
+        return {"error": 'the request must be an object: {"op": "check"}, {"op": "provision", "user": NAME} or '
+                         '{"op": "kill", "container": ID}'}
     op = request.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        return {"error": f"unknown op {op!r}; the ops are check, provision and kill"}
+    if set(request) != {"op"} | OPS[op]:
+        return {"error": f"op {op} must be sent with {sorted(OPS[op])} and nothing else, not {sorted(set(request) - {'op'})}"}
     if op == "check":
         return {"ok": True}
-    if op != "provision":
-        return {"error": f"unknown op {op!r}; the ops are check and provision"}
-    return _provision(request.get("user"), peer_uid, peer_gid, config)
+    if op == "kill":
+        return _kill(request["container"], config)
+    return _provision(request["user"], peer_uid, peer_gid, config)
+
+
+def _kill(container: Any, config: Config) -> Answer:
+    import docker
+
+    from sandboxd.sandbox.docker.sentry import Refused, checked_container_id, kill_owned_sandbox
+
+    engine = config.sandbox.docker_host or "unix:///var/run/docker.sock"
+    if not engine.startswith("unix://"):
+        return {"error": f"the Docker engine at {engine} is not on this host: its sandboxes' processes are not "
+                         "this helper's to signal"}
+    try:
+        container_id = checked_container_id(container)  # before the engine is even asked
+        api = docker.APIClient(base_url=engine, version="auto", timeout=ENGINE_TIMEOUT_S)
+        return {"ok": True, "outcome": kill_owned_sandbox(api, container_id, config.data_path).value}
+    except Refused as exc:
+        return {"error": f"{exc}; refused"}
+    except (docker.errors.DockerException, OSError) as exc:
+        return {"error": f"the Docker engine at {engine} did not answer ({exc}); is it running?"}
 
 
 def _provision(name: Any, peer_uid: int, peer_gid: int, config: Config) -> Answer:

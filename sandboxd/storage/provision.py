@@ -1,19 +1,17 @@
 """A user's folders made quota subvolumes: where that can hold, the provisioning itself, and the helper's door.
 
 Runs as root: in a daemon that is root, in ``sandboxd run --user`` run by root, or in the
-privileged helper (helper.py) for an unprivileged daemon, which asks it through ``ask_helper``.
+privileged helper (helper.py) for an unprivileged daemon, which asks it through ``helper_client.ask_helper``.
 Every step works on handles opened below the area's root without following links
 (btrfs.py); a plain folder found where a subvolume belongs is converted (convert.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from sandboxd.config import AUTO_SANDBOX_ID, Config, email_db_path
 from sandboxd.container import CONTAINER_EMAIL_DIR, CONTAINER_USER
@@ -25,7 +23,6 @@ from sandboxd.users import check_user
 
 log = get_logger("sandboxd.storage")
 
-HELPER_TIMEOUT_S = 10.0
 SANDBOX_PATHS = {"data": CONTAINER_USER, "email": CONTAINER_EMAIL_DIR}  # where each area's folder is in a sandbox
 _PROBE = "probe@example.invalid"
 
@@ -197,23 +194,3 @@ def _join_group(root_fd: int, fd: int, fs_id: str, groups: dict[str, int], limit
         btrfs.limit_qgroup(root_fd, group, limit_bytes)
     btrfs.assign_qgroup(root_fd, btrfs.qgroup_id(0, subvolume), group)
     return group
-
-
-def ask_helper(path: Path, request: dict[str, Any]) -> dict[str, Any]:
-    """One request to the privileged helper (helper.py), one answer; OSError or ValueError on failure."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
-        sock.settimeout(HELPER_TIMEOUT_S)
-        sock.connect(str(path))
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    answer = json.loads(data)
-    if not isinstance(answer, dict):
-        raise ValueError("the quota helper's answer is not an object")
-    if "error" in answer:
-        raise ValueError(str(answer["error"]))
-    return answer

@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterable, Literal
 
 from sandboxd.config import Config
 from sandboxd.errors import ConfigError, QuotaExceeded
+from sandboxd.helper_client import ask_helper
 from sandboxd.logging import get_logger
 from sandboxd.storage import btrfs
-from sandboxd.storage.provision import SANDBOX_PATHS, Area, areas, ask_helper, hard_problem, provision_user
+from sandboxd.storage.provision import SANDBOX_PATHS, Area, areas, hard_problem, provision_user
 from sandboxd.storage.usage import Usage, measure
 from sandboxd.storage.walks import MIN_SPACING_S, Walks, users_on_disk
 

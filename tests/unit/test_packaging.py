@@ -43,7 +43,7 @@ def test_the_quota_helper_is_installed_with_only_the_capabilities_it_needs() -> 
     helper = unit("sandboxd-quota@.service")["Service"]
     assert helper["ExecStart"].startswith("/usr/bin/env python3 -m sandboxd.storage.helper")
     assert "s|/usr/bin/env python3|$(PREFIX)/bin/python|' packaging/systemd/sandboxd-quota@.service" in makefile
-    assert helper["CapabilityBoundingSet"].split() == ["CAP_SYS_ADMIN", "CAP_CHOWN", "CAP_DAC_OVERRIDE"]
+    assert helper["CapabilityBoundingSet"].split() == ["CAP_SYS_ADMIN", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_KILL"]
     assert helper["StandardInput"] == "socket" and helper["PrivateNetwork"] == "yes"
     socket_unit = unit("sandboxd-quota.socket")["Socket"]
     assert socket_unit["Accept"] == "yes" and socket_unit["SocketMode"] == "0600"

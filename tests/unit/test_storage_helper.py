@@ -49,6 +49,11 @@ def test_only_the_daemons_uid_is_served(tmp_path: Path) -> None:
     (b'{"op": "provision", "user": "a@x.io/../b"}', "is not an email address"),
     (b'{"op": "provision", "user": "Alice@X.io"}', "checked (lower-case) form"),
     (b'{"op": "provision", "user": 7}', "must be a string"),
+    # The kill (sandbox/docker/sentry.py): a container in full, never a pid, checked before the engine is asked.
+    (b'{"op": "kill", "container": "' + b"c0ffee" * 10 + b'abcd", "pid": 1}', "must be sent with ['container']"),
+    (b'{"op": "kill"}', "must be sent with ['container']"),
+    (b'{"op": "kill", "container": "c0ffee"}', "not a container id in full"),
+    (b'{"op": "kill", "container": ["c0ffee"]}', "not a container id in full"),
 ])
 def test_requests_other_than_a_checked_user_name_are_refused(tmp_path: Path, line: bytes, words: str) -> None:
     answer = _ask(line, tmp_path)

@@ -31,7 +31,7 @@ from sandboxd.sandbox.docker.esbuild import extract_esbuild
 from sandboxd.sandbox.docker.exits import exit_state
 from sandboxd.sandbox.docker.runtime import is_gvisor, runtime_problem
 from sandboxd.sandbox.docker.sandbox import DockerSandbox
-from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry, lift_cpu_quota
+from sandboxd.sandbox.docker.sentry import Outcome, kill_sentry, kill_through_helper, lift_cpu_quota
 from sandboxd.sandbox.docker.sockets import SandboxPeer, SandboxSockets
 from sandboxd.sandbox.docker.spec import (
     LABEL_INSTANCE,
@@ -81,14 +81,16 @@ class DockerBackend:
     name = "docker"
 
     def __init__(self, config: SandboxConfig, *, instance: str, max_line_bytes: int,
-                 shim_dir: Path | None = None) -> None:
+                 shim_dir: Path | None = None, helper: Path | None = None) -> None:
         """``shim_dir`` holds the sandboxes' socket directories (socket transport): a
         directory of this daemon's own that the Docker engine can see at the same path.
-        None = a private temporary directory, removed by ``close``."""
+        None = a private temporary directory, removed by ``close``. ``helper``: the privileged
+        helper's socket, asked to kill a gVisor sandbox's Sentry that this daemon may not signal."""
         self.config = config
         self.instance = instance
         self.max_line_bytes = max_line_bytes
         self._shim_dir = shim_dir
+        self._helper = helper
         self._shim_dir_is_temporary = shim_dir is None
         self._shim_dir_ready = False
         self._engine_checked = False  # _engine_problem found none on the engine that answered
@@ -432,24 +434,27 @@ class DockerBackend:
         """End a condemned gVisor sandbox by a SIGKILL to its Sentry on the host, its CPU quota lifted
         first (sentry.py says why).
 
-        Needs root (or CAP_KILL, for the kill alone). Without it the engine's kill goes through the
-        Sentry as before, and for a sandbox of thousands of tasks that takes 10 s or more.
+        Needs root (or CAP_KILL, for the kill alone), else the privileged helper does both. Without
+        either the engine's kill goes through the Sentry, which takes 10 s or more for thousands of tasks.
         """
         lift_cpu_quota(container_id)  # its stubs die within the quota, even once the Sentry is dead
         state = self.api().inspect_container(container_id).get("State") or {}
         pid = int(state.get("Pid") or 0)
         if not state.get("Running") or pid <= 0:
             return
-        outcome = kill_sentry(pid, container_id)
+        outcome, problem = kill_sentry(pid, container_id), None
+        if outcome is Outcome.NOT_PERMITTED and self._helper is not None:
+            outcome, problem = kill_through_helper(self._helper, container_id)
         if outcome is Outcome.KILLED:
             self._wait_exit(container_id)
-        elif outcome is Outcome.NOT_ITS:  # exited as it was condemned (its pid reused), or /proc hides it
+        elif outcome is Outcome.NOT_ITS:  # exited as it was condemned (its pid reused)
             log.info("sandbox_sentry_not_seen", container=container_id[:12], pid=pid)
         elif outcome is Outcome.NOT_PERMITTED and not self._sentry_warned:
             self._sentry_warned = True
-            log.warning("sandbox_killed_through_gvisor", container=container_id[:12],
+            log.warning("sandbox_killed_through_gvisor", container=container_id[:12], helper=problem,
                         consequence="a sandbox of thousands of tasks takes 10 s or more to go",
-                        fix="run the daemon as root or give it CAP_KILL (docs/security.md, gVisor)")
+                        fix="run the daemon as root, or enable the privileged helper (systemctl enable --now "
+                            "sandboxd-quota.socket; docs/security.md, gVisor)")
 
     def _lift_cpu_quota(self, container_id: str) -> None:
         """Let a condemned sandbox's processes run unthrottled, so that they die at once.

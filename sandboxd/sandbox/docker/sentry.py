@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import signal
 from pathlib import Path
+from typing import Any
 
-from sandboxd.sandbox.docker.sockets import in_container_cgroup
+import docker.errors
 
+from sandboxd.helper_client import ask_helper
+from sandboxd.sandbox.docker.sockets import CGROUP_ROOT, in_container_cgroup
+from sandboxd.sandbox.docker.spec import LABEL_DATA_PATH, LABEL_MANAGED
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+FULL_ID = re.compile(r"[0-9a-f]{64}")
 # Where the engine's cgroupfs and systemd drivers put a container's CPU controller: cgroup v1, then v2.
 CPU_QUOTA_FILES = ("cpu/docker/{id}/cpu.cfs_quota_us", "cpu,cpuacct/docker/{id}/cpu.cfs_quota_us",
                    "cpu/system.slice/docker-{id}.scope/cpu.cfs_quota_us",
@@ -75,3 +80,47 @@ def kill_sentry(pid: int, container_id: str) -> Outcome:
     finally:
         os.close(pidfd)
     return Outcome.KILLED
+
+
+def kill_through_helper(helper: Path, container_id: str) -> tuple[Outcome, str | None]:
+    """For a daemon that may not signal the Sentry (not root): the privileged helper's kill (storage/helper.py).
+    (its outcome, None), or (NOT_PERMITTED, what went wrong)."""
+    try:
+        answer = ask_helper(helper, {"op": "kill", "container": container_id})
+        return Outcome(answer.get("outcome")), None
+    except (OSError, ValueError) as exc:  # no helper, or its refusal (ValueError): the engine's kill, later
+        return Outcome.NOT_PERMITTED, str(exc)
+
+
+class Refused(Exception):
+    """A kill the privileged helper will not do, and why."""
+
+
+def checked_container_id(value: object) -> str:
+    """``value`` if it is a container id in full, as the engine writes it; else Refused."""
+    if not isinstance(value, str) or not FULL_ID.fullmatch(value):
+        raise Refused(f"{str(value)[:80]!r} is not a container id in full (64 hex digits)")
+    return value
+
+
+def kill_owned_sandbox(api: Any, container_id: object, data_path: Path) -> Outcome:
+    """The privileged helper's kill (storage/helper.py) for an unprivileged daemon: as ``_kill_sentry`` does it as root.
+
+    Only a container named by its full id, that the engine (``api``) labels as a sandbox of the daemon on
+    ``data_path``, and only the process the engine names as its init (its Sentry) if that lives in the
+    container's cgroup. The request never names a pid, so the helper can signal nothing else.
+    """
+    container_id = checked_container_id(container_id)
+    try:
+        found = api.inspect_container(container_id)
+    except docker.errors.NotFound:
+        return Outcome.GONE
+    labels = (found.get("Config") or {}).get("Labels") or {}
+    if found.get("Id") != container_id or labels.get(LABEL_MANAGED) != "1" or labels.get(LABEL_DATA_PATH) != str(data_path):
+        raise Refused(f"container {container_id[:12]} is not a sandbox of the sandboxd on {data_path}")
+    lift_cpu_quota(container_id)
+    state = found.get("State") or {}
+    pid = int(state.get("Pid") or 0)
+    if not state.get("Running") or pid <= 0:
+        return Outcome.GONE
+    return kill_sentry(pid, container_id)

@@ -24,15 +24,35 @@ from sandboxd.sandbox.docker.spec import EGRESS_SOCKET_NAME, HOSTS_NAME, LOOPBAC
 from sandboxd.service.peercred import PeerCredentials, peer_credentials
 
 
-def in_container_cgroup(pid: int, container_id: str) -> bool:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# A container's member list, by the engine's cgroupfs and systemd drivers: cgroup v1's pids hierarchy, then v2.
+PROCS_FILES = ("pids/docker/{id}/cgroup.procs", "pids/system.slice/docker-{id}.scope/cgroup.procs",
+               "docker/{id}/cgroup.procs", "system.slice/docker-{id}.scope/cgroup.procs")
+
+
+def in_container_cgroup(pid: int, container_id: str, root: Path = CGROUP_ROOT) -> bool:
     """Whether process ``pid`` of this host is in the cgroup of container ``container_id``
-    (cgroupfs: .../docker/<id>; the systemd driver: .../docker-<id>.scope), in any hierarchy."""
+    (cgroupfs: .../docker/<id>; the systemd driver: .../docker-<id>.scope), in any hierarchy.
+
+    Where /proc hides the process (the unit's ProtectProc=invisible hides runsc's, which are root's and
+    nobody's, from the unprivileged daemon), the container's own member list answers instead."""
     try:
         with open(f"/proc/{pid}/cgroup") as lines:
             paths = [line.rstrip("\n").split(":", 2)[2] for line in lines if line.count(":") >= 2]
-    except OSError:  # gone already
-        return False
+    except OSError:  # gone already, or hidden
+        return in_container_procs(pid, container_id, root)
     return any(path.rsplit("/", 1)[-1] in (container_id, f"docker-{container_id}.scope") for path in paths)
+
+
+def in_container_procs(pid: int, container_id: str, root: Path = CGROUP_ROOT) -> bool:
+    """Whether ``pid`` is in the member list (cgroup.procs) of container ``container_id``'s cgroup."""
+    for pattern in PROCS_FILES:
+        try:
+            members = (root / pattern.format(id=container_id)).read_text().split()
+        except OSError:  # another driver or cgroup version, or the container is gone
+            continue
+        return str(pid) in members
+    return False
 
 
 @dataclass(frozen=True)
