@@ -31,6 +31,7 @@ from bench import report
 from bench.daemon import REPO
 from bench.load import throughput
 from bench.egress_tls import secrets_over_https
+from bench.email import email_cost
 from bench.neighbours import noisy_neighbours
 from bench.quota import quota_cost
 from bench.runtimes import compare_runtimes
@@ -38,7 +39,7 @@ from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "instructions")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "email", "instructions")
 # The sections measured on the main benchmark daemon: without any of them, it is not started.
 DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    calls=min(args.calls, 2000), samples=args.samples, say=say)
         if "quota" not in args.skip:
             results["quota"] = quota_cost(root / "quota", run_id, args.image, calls=min(args.calls, 2000),
+                                          samples=args.samples, say=say)
+        if "email" not in args.skip:
+            results["email"] = email_cost(root / "email", run_id, args.image, calls=min(args.calls, 2000),
                                           samples=args.samples, say=say)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
