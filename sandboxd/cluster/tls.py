@@ -54,7 +54,9 @@ def role_of(peercert: dict[str, Any] | None) -> Role:
 
 def server_context(tls: ClusterTLS) -> ssl.SSLContext:
     """The listener's: its certificate shown, a client certificate signed by the cluster's CA required."""
-    return _context(ssl.PROTOCOL_TLS_SERVER, tls)
+    context = _context(ssl.PROTOCOL_TLS_SERVER, tls)
+    context.num_tickets = 0  # no session resumption: every connection shows its certificate afresh
+    return context
 
 
 def client_context(tls: ClusterTLS) -> ssl.SSLContext:

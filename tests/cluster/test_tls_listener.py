@@ -243,7 +243,7 @@ def test_a_silent_peer_is_dropped_at_the_handshake_deadline(node: Daemon, certs:
 def test_idle_handshakes_take_nothing_from_the_unix_socket(node: Daemon, certs: ClusterCerts) -> None:
     host, port = address(node).split(":")
     pid = node.proc.pid  # type: ignore[union-attr]
-    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    fds_before, threads_before = len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
     flood = []
     try:
         for _ in range(200):  # one peer (127.0.0.2), connecting and saying nothing
@@ -257,6 +257,7 @@ def test_idle_handshakes_take_nothing_from_the_unix_socket(node: Daemon, certs: 
         held = wait_for(lambda: [n for n in [len(os.listdir(f"/proc/{pid}/fd")) - fds_before] if n <= PER_ADDRESS + 4],
                         "the daemon holding no more than the flood's share", node)
         assert held[0] >= PER_ADDRESS - 4  # its handshakes in progress, held until the deadline
+        assert len(os.listdir(f"/proc/{pid}/task")) - threads_before <= 2  # no thread per handshake
         with Client(node.socket, timeout=10) as unix_client:  # the unix socket's clients still get in
             assert unix_client.request("ping") == {}
         assert run(ping_as(node, certs.router)) == {}  # and so does a router, from another address
