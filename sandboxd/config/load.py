@@ -10,21 +10,15 @@ import yaml
 from pydantic import ValidationError
 
 from sandboxd.config.defaults import SYSTEM_CONFIG
+from sandboxd.config.keys import iter_keys
 from sandboxd.config.model import Config
-from sandboxd.config.sections import Section
 from sandboxd.errors import ConfigError
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """SANDBOXD_<KEY> and SANDBOXD_<SECTION>_<KEY> → a nested dict; unknown names are errors."""
-    names: dict[str, tuple[str, ...]] = {}
-    for key, field in Config.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, Section):
-            for sub in annotation.model_fields:
-                names[f"SANDBOXD_{key}_{sub}".upper()] = (key, sub)
-        else:
-            names[f"SANDBOXD_{key}".upper()] = (key,)
+    # The names docs/config.md lists, optional sections (cluster:) and nested ones (cluster.tls) included.
+    names = {env: tuple(dotted.split(".")) for dotted, env, _default, _meaning in iter_keys()}
     out: dict[str, Any] = {}
     for env_name, raw in environ.items():
         if not env_name.startswith("SANDBOXD_"):

@@ -59,6 +59,17 @@ def test_unknown_env_variable_is_an_error() -> None:
     assert "SANDBOXD_POOL_MAX_PER_USR" in info.value.message
 
 
+def test_env_sets_keys_of_the_optional_cluster_section_and_its_tls(tmp_path: Path) -> None:
+    # A Swarm task's name and address come from the environment (packaging/swarm/stack.yml).
+    path = tmp_path / "config.yaml"
+    path.write_text("cluster:\n  etcd: ['http://etcd1:2379']\n  tls: {cert: /a.pem, key: /a.key, ca: /ca.pem}\n")
+    config = load_config(path, environ={"SANDBOXD_CLUSTER_NODE": "host1", "SANDBOXD_CLUSTER_ADVERTISE": "sandboxd-host1:7443",
+                                        "SANDBOXD_CLUSTER_TLS_CA": "/other-ca.pem"})
+    assert config.cluster is not None
+    assert (config.cluster.node, config.cluster.advertise) == ("host1", "sandboxd-host1:7443")
+    assert (str(config.cluster.tls.cert), str(config.cluster.tls.ca)) == ("/a.pem", "/other-ca.pem")
+
+
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "nope.yaml", environ={})
