@@ -33,13 +33,14 @@ from bench.load import throughput
 from bench.egress_tls import secrets_over_https
 from bench.email import email_cost
 from bench.neighbours import noisy_neighbours
+from bench.cluster import cluster_cost
 from bench.quota import quota_cost
 from bench.runtimes import compare_runtimes
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "email", "instructions")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "email", "instructions")
 # The sections measured on the main benchmark daemon: without any of them, it is not started.
 DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             say("gVisor (runsc) beside runc: warm and cold calls, idle memory")
             results["runtimes"] = compare_runtimes(api, root / "runtimes", run_id, args.image,
                                                    calls=min(args.calls, 2000), samples=args.samples, say=say)
+        if "cluster" not in args.skip:
+            results["cluster"] = cluster_cost(root / "cluster", run_id, args.image, calls=min(args.calls, 2000), say=say)
         if "quota" not in args.skip:
             results["quota"] = quota_cost(root / "quota", run_id, args.image, calls=min(args.calls, 2000),
                                           samples=args.samples, say=say)

@@ -214,6 +214,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _runtime_rows(r)
     out += _https_rows(r.get("https", {}))
     out += _quota_rows(r.get("quota", {}))
+    out += _cluster_rows(r.get("cluster", {}))
     out += _email_rows(r.get("email", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
@@ -327,6 +328,24 @@ def _email_rows(e: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     second = e["second_access"]
     out.append(("… a user's first call of a second access (a start), p50", _ms(second["first_of_second_access"].get("p50_ms")),
                 f"their warm call {_ms(second['warm'].get('p50_ms'))}", "", "", "—"))
+    return out
+
+
+def _cluster_rows(c: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """A warm call with a cluster: section beside the same daemon without one (bench/cluster.py)."""
+    if "skipped" in c:
+        return [("a warm call with cluster: on", "skipped", c["skipped"], "", "", "—")]
+    if not c.get("on"):
+        return []
+    out = []
+    for q, goal in (("p50", 1.1), ("p99", None)):
+        mine, base = c["on"].get(f"{q}_ms"), c["off"].get(f"{q}_ms")
+        x = ratio(mine, base)
+        out.append((f"a warm call with cluster: on, {q}", _ms(mine), f"cluster: off {_ms(base)}", _x(x),
+                    f"≤ {goal}× off" if goal else "", _check(x is not None and x <= goal) if goal else "—"))
+    cpu, base_cpu = c["on"]["daemon_cpu_us_per_call"], c["off"]["daemon_cpu_us_per_call"]
+    out.append(("… the daemon's CPU per warm call, cluster: on", f"{cpu:.0f} µs", f"cluster: off {base_cpu:.0f} µs",
+                _x(ratio(cpu, base_cpu)), "", "—"))
     return out
 
 

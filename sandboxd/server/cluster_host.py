@@ -2,8 +2,10 @@
 start-up, the gate of every call, deregistered at shutdown.
 
 The gate reads the local view only (cluster/view.py): a call costs no etcd round trip unless its
-user has no record yet, when this host claims them. Each call served is logged as ``call_served``
-(user, epoch, wall-clock start and end): the record that no user ran on two hosts at once.
+user has no record yet, when this host claims them. The calls served are logged as ``call_served``
+lines, one per user and epoch each second: the first start and last end (wall clock) of the calls
+that ended meanwhile, and how many. They are the record that no user ran on two hosts at once, at a
+dict update per call instead of a log line.
 Without ``cluster:`` none of this exists and aetcd is never imported.
 """
 
@@ -13,13 +15,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sandboxd.cluster.records import NodeRecord, UserRecord, decide
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, ConfigError, NotServedHere
 from sandboxd.logging import get_logger
 
 if TYPE_CHECKING:
     from sandboxd.cluster.membership import Membership
-    from sandboxd.cluster.records import UserRecord
     from sandboxd.cluster.view import DirectoryView
     from sandboxd.sandbox.pool import Pool
     from sandboxd.server.calls import Calls
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 log = get_logger("sandboxd.cluster")
 
 STARTUP_WAIT_S = 10.0  # for etcd to answer at start-up, before the daemon gives up with the endpoints named
+SERVED_EVERY_S = 1.0  # how often the calls served are logged, one line per user and epoch
 LEFT_KILL = ("sandboxd: this user now lives on another host (moved there), so the call was stopped; "
              "call again: the answer names the host.")
 
@@ -40,10 +43,9 @@ class Daemon(Protocol):
 
 class ClusterHost:
     def __init__(self, config: Config, daemon: Daemon) -> None:
-        # Imported here: a daemon without cluster: never loads aetcd (nor its gRPC).
+        # Imported here: a daemon without cluster: never loads aetcd (nor its gRPC); records.py imports neither.
         from sandboxd.cluster.directory import Directory
         from sandboxd.cluster.membership import Membership
-        from sandboxd.cluster.records import NodeRecord
         from sandboxd.cluster.view import DirectoryView
 
         cluster = config.cluster
@@ -55,6 +57,7 @@ class ClusterHost:
         self.membership: Membership = Membership(self.directory, self.view,
                                                  NodeRecord(cluster.node, cluster.dial_address()), cluster.lease_s)
         self._tasks: list[asyncio.Task[None]] = []
+        self._served: dict[tuple[str, int], list[float]] = {}  # (user, epoch) → [first start, last end, calls]
 
     @classmethod
     def of(cls, config: Config, daemon: Daemon) -> ClusterHost | None:
@@ -80,12 +83,14 @@ class ClusterHost:
                                       "cluster.etcd, or remove the cluster: section to run this host alone.") from exc
             await asyncio.sleep(0.5)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self.view.run()), loop.create_task(self.membership.run())]
+        self._tasks = [loop.create_task(self.view.run()), loop.create_task(self.membership.run()),
+                       loop.create_task(self._log_served_every(SERVED_EVERY_S))]
 
     async def stop(self) -> None:
         """Stop following the directory and revoke the lease: the node's key goes now, not lease_s later."""
         for task in self._tasks:
             task.cancel()
+        self._log_served()
         await self.membership.leave()
         try:
             await self.directory.close()
@@ -96,12 +101,10 @@ class ClusterHost:
 
     def admit(self, user: str) -> int | None:
         """The epoch a call of ``user`` runs at; None: claim the user first; NotServedHere: refused."""
-        from sandboxd.cluster.records import CLAIM, decide
-
         verdict = decide(user, self.view.home(user), self.view.nodes(), self.me, self.membership.fence.fenced)
         if isinstance(verdict, NotServedHere):
             raise verdict
-        return None if verdict == CLAIM else int(verdict)
+        return verdict if isinstance(verdict, int) else None  # else CLAIM
 
     async def claim(self, user: str) -> int:
         """Claim ``user`` for this host (create-if-absent); the winner's record decides the call."""
@@ -125,8 +128,23 @@ class ClusterHost:
             return False
 
     def served(self, user: str, epoch: int, start: float) -> None:
-        """The per-host call log: each call served here, its user's epoch and its wall-clock span."""
-        log.info("call_served", user=user, epoch=epoch, start=start, end=time.time(), node=self.me)
+        """The per-host call log: a call of ``user`` at ``epoch`` ran here from ``start`` until now (wall clock)."""
+        end = time.time()
+        span = self._served.get((user, epoch))
+        if span is None:
+            self._served[(user, epoch)] = [start, end, 1]
+        else:
+            span[0], span[1], span[2] = min(span[0], start), max(span[1], end), span[2] + 1
+
+    def _log_served(self) -> None:
+        served, self._served = self._served, {}
+        for (user, epoch), (start, end, calls) in served.items():
+            log.info("call_served", user=user, epoch=epoch, start=start, end=end, calls=int(calls), node=self.me)
+
+    async def _log_served_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self._log_served()
 
     def _user_changed(self, user: str, old: UserRecord | None, new: UserRecord | None) -> None:
         """A user who lived here lives elsewhere now (moved): their calls stop and their sandboxes go."""
