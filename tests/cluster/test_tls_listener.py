@@ -30,6 +30,7 @@ from sandboxd.wire import RpcError
 from tests.cluster.certs import Cert, ClusterCerts, make_certs
 from tests.cluster.etcd import Etcd, free_port
 from tests.e2e.conftest import REPO, Daemon, docker_api  # noqa: F401  (a fixture)
+from tests.e2e.hostile_harness import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -116,13 +117,10 @@ def refusals(node: Daemon) -> list[str]:
 
 
 def wait_for(condition: Any, what: str, node: Daemon, timeout: float = 10) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout} s:\n{node.log()}")
+    try:
+        return wait_until(condition, timeout, what, interval=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{node.log()}") from None
 
 
 def test_ping_answers_every_role_the_ca_signed(node: Daemon, certs: ClusterCerts) -> None:
