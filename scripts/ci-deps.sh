@@ -15,6 +15,8 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 # etcd and etcdctl: the cluster's e2e tests start their own etcd on 127.0.0.1 (tests/cluster/).
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
+# openssl: tests/cluster/certs.py makes the cluster's test CA and certificates with the commands docs/install.md gives.
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
@@ -34,4 +36,4 @@ if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
   if [ -d /run/systemd/system ]; then systemctl disable --now etcd.service >/dev/null 2>&1 || true; fi
   pkill -x etcd >/dev/null 2>&1 || true
 fi
-command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v mkfs.btrfs >/dev/null && command -v promtool >/dev/null && command -v etcd >/dev/null && command -v etcdctl >/dev/null
+command -v systemd-analyze >/dev/null && command -v ip >/dev/null && command -v mkfs.btrfs >/dev/null && command -v promtool >/dev/null && command -v etcd >/dev/null && command -v etcdctl >/dev/null && command -v openssl >/dev/null
