@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,3 +214,18 @@ def test_require_permissions_leaves_an_undeclared_tool_without_the_database(make
     assert sync.execute("SELECT count(*) FROM messages").fetchone() == (3,)
     sync.close()
 
+
+
+def test_a_read_tool_opens_a_wal_database_whose_sync_has_closed(make_daemon: Any) -> None:
+    """The seed email_db (email: read): with the sync's last connection closed, -wal and -shm are gone,
+    and the read-only folder cannot have them made again; the tool reads the file, which holds every commit."""
+    daemon = make_daemon(ONE_SANDBOX)
+    sync = mailbox(daemon)
+    sync.close()
+    assert not Path(f"{mail_path(daemon)}-wal").exists()
+    with daemon.client() as client:
+        assert "messages: 2 rows" in ok(client.call_tool(A, "email_db", {"action": "stats"}))
+        sync = sync_open(mail_path(daemon))  # the sync again, its WAL open: read as before
+        sync.execute("INSERT INTO messages (subject) VALUES ('after the reopen')")
+        assert "messages: 3 rows" in ok(client.call_tool(A, "email_db", {"action": "stats"}))
+    sync.close()

@@ -15,6 +15,7 @@ Only reads run, each within a budget, and SQLite itself holds both:
 Python's execute() runs one statement only, so a second one never runs.
 """
 import json
+import os
 import sqlite3
 import sys
 import time
@@ -110,13 +111,29 @@ class Guard:
         return text
 
 
+def open_read_only(uri):
+    conn = sqlite3.connect(uri, uri=True, timeout=5)
+    conn.execute("PRAGMA query_only=1")
+    conn.execute(f"PRAGMA hard_heap_limit={HEAP_BYTES}")
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    return conn
+
+
+def open_mailbox(path):
+    """Read-only, and not immutable: the host syncs mail into it meanwhile. But on a folder mounted
+    read-only (permissions.email: read), SQLite cannot make a WAL database's -wal and -shm; with
+    no -wal there the mail sync has no connection open, and the file itself holds every commit."""
+    try:
+        return open_read_only(f"file:{path}?mode=ro")
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_CANTOPEN or os.path.exists(f"{path}-wal"):
+            raise
+    return open_read_only(f"file:{path}?mode=ro&immutable=1")
+
+
 def connect(path, guard):
     try:
-        # immutable=0: the file may change under us (the host syncs mail into it).
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        conn.execute("PRAGMA query_only=1")
-        conn.execute(f"PRAGMA hard_heap_limit={HEAP_BYTES}")
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        conn = open_mailbox(path)
     except sqlite3.DatabaseError as exc:
         unfinished = UNFINISHED.get(getattr(exc, "sqlite_errorcode", None))
         if unfinished is not None:
