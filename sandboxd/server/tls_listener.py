@@ -169,7 +169,7 @@ class TlsPeer:
         return None
 
     def opened(self, connection: Connection) -> None:
-        log.info("tls_peer", address=self.address, role=str(self.role))
+        log.info("tls_peer", address=self.address, role=str(self.role), budget=source("tls", self.address))
         self._listener.host.opened(connection)
 
     def closed(self, connection: Connection) -> None:
