@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sandboxd.cluster.directory import Change, Directory, Snapshot, endpoints
@@ -10,6 +12,7 @@ from sandboxd.cluster.records import CLAIM, BadRecord, NodeRecord, UserRecord, d
 from sandboxd.cluster.view import DirectoryView
 from sandboxd.config.cluster import ClusterConfig
 from sandboxd.errors import ConfigError, NotServedHere
+from tests.unit.test_server import Harness, ok_handler, serving
 
 U = "alice@example.com"
 NODES = {"a": NodeRecord("a", "10.0.0.1:7443"), "b": NodeRecord("b", "10.0.0.2:7443")}
@@ -118,3 +121,52 @@ def test_a_claims_answer_and_its_watch_event_are_applied_once() -> None:
     view.put_user(U, UserRecord(U, "a", 5))  # the transaction's answer, before the watch brings it
     view.apply(Change(b"/sandboxd/users/" + U.encode(), b'{"node": "a", "state": "active"}', 5))
     assert seen == [(U, None, "a")] and view.users_of("a") == [U]
+
+
+# -- the gate in the call runner (fake backend, a gate that answers as told) ---------------------------
+
+
+class FakeGate:
+    def __init__(self, verdict: int | None | NotServedHere) -> None:
+        self.verdict = verdict
+        self.claims: list[str] = []
+        self.calls_served: list[tuple[str, int]] = []
+
+    def admit(self, user: str) -> int | None:
+        if isinstance(self.verdict, NotServedHere):
+            raise self.verdict
+        return self.verdict
+
+    async def claim(self, user: str) -> int:
+        self.claims.append(user)
+        return 9
+
+    def served(self, user: str, epoch: int, start: float) -> None:
+        self.calls_served.append((user, epoch))
+
+
+def test_a_refused_call_takes_no_sandbox_and_is_counted(tmp_path: Path) -> None:
+    gate = FakeGate(NotServedHere("elsewhere", "served by b", node="b", address="10.0.0.2:7443"))
+
+    @serving(tmp_path, ok_handler, pool={"min_idle": 0})
+    async def _(h: Harness) -> None:
+        h.server.runner.gate = gate
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": U, "name": "hello", "arguments": {"name": "W"}})
+        assert reply["error"] == {"code": -32005, "message": "served by b",
+                                  "data": {"reason": "elsewhere", "node": "b", "address": "10.0.0.2:7443"}}
+        assert h.backend.starts == 0 and gate.calls_served == []
+        status = (await conn.request("sandbox/status", request_id=2))["result"]
+        assert status["calls"] == {"not_served": 1}
+
+
+def test_a_user_with_no_record_is_claimed_then_served_at_the_claimed_epoch(tmp_path: Path) -> None:
+    gate = FakeGate(None)
+
+    @serving(tmp_path, ok_handler)
+    async def _(h: Harness) -> None:
+        h.server.runner.gate = gate
+        conn = await h.connect()
+        reply = await conn.request("tools/call", {"user": U, "name": "hello", "arguments": {"name": "W"}})
+        assert reply["result"]["status"] == "ok"
+        assert gate.claims == [U] and gate.calls_served == [(U, 9)]
