@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Awaitable, Callable
 
 from sandboxd import strictjson
 from sandboxd.async_client import AsyncClient, Notification
@@ -20,7 +19,6 @@ from sandboxd.cluster.tls import Role, RoleRefused, client_context, role_of
 from sandboxd.config.cluster import ClusterTLS
 from sandboxd.wire import encode, request
 
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 DIAL_TIMEOUT_S = 10.0  # connect, handshake and the first ping
 _PING_ID = "dial"
 
@@ -108,13 +106,3 @@ async def _ping(address: str, reader: asyncio.StreamReader, writer: asyncio.Stre
     if "error" in answer:
         raise DialFailed(f"{address} refused this connection: {answer['error'].get('message')}")
 
-
-def node_dialer(tls: ClusterTLS, timeout: float = DIAL_TIMEOUT_S) -> Callable[[str, str], Awaitable[Streams]]:
-    """``dial`` in the router's shape, (node, address) → streams, with one client context for every connection."""
-    context = client_context(tls)
-
-    async def open_streams(node: str, address: str) -> Streams:
-        reader, writer, _ = await dial(address, context, node=node, timeout=timeout)
-        return reader, writer
-
-    return open_streams
