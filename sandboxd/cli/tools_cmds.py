@@ -146,11 +146,28 @@ def _roots(config: Config, user: str | None) -> str:
 
 
 def _print_table(tools: list[dict[str, Any]]) -> None:
-    rows = [("NAME", "VERSION", "SOURCE", "DESCRIPTION")]
-    rows += [(t["name"], str(t["version"]), t["source"], (t["description"].splitlines() or [""])[0]) for t in tools]
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    rows = [("NAME", "VERSION", "SOURCE", "PERMISSIONS", "DESCRIPTION")]
+    rows += [(t["name"], str(t["version"]), t["source"], permissions_summary(t.get("permissions")),
+              (t["description"].splitlines() or [""])[0]) for t in tools]
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+
+
+def permissions_summary(permissions: Any) -> str:
+    """A Tool object's permissions in one cell: what it declares, 'none', or 'undeclared' (no block)."""
+    if not isinstance(permissions, dict):
+        return "undeclared"
+    parts = []
+    if permissions.get("network"):
+        parts.append("network " + ",".join(map(str, permissions["network"])))
+    if permissions.get("env"):
+        parts.append("env " + ",".join(map(str, permissions["env"])))
+    if permissions.get("email", "none") != "none":
+        parts.append(f"email {permissions['email']}")
+    if permissions.get("browser"):
+        parts.append("browser")
+    return "; ".join(parts) or "none"
 
 
 def _skipped_dict(entry: Skipped) -> dict[str, Any]:
@@ -183,6 +200,7 @@ def show_tool(args: argparse.Namespace, config: Config) -> int:
     print(f"path:        {tool.dir}")
     print(f"entry:       {tool.entry.name}")
     print(f"description: {manifest.description}")
+    print(f"permissions: {permissions_summary(manifest.permissions.to_protocol())}")
     print("\ninputSchema:")
     print(json.dumps(tool.schema, indent=2, ensure_ascii=False))
     print("\ndocumentation:")
@@ -204,6 +222,7 @@ def _show_served(args: argparse.Namespace, served: list[dict[str, Any]]) -> int:
     print(f"source:      {tool['source']}")
     print(f"language:    {tool['language']}")
     print(f"description: {tool['description']}")
+    print(f"permissions: {permissions_summary(tool.get('permissions'))}")
     print("\ninputSchema:")
     print(json.dumps(tool["inputSchema"], indent=2, ensure_ascii=False))
     print("\ndocumentation:")

@@ -1,7 +1,8 @@
 """Our protocol's objects as MCP's: tools, results, progress, errors. Pure functions.
 
 - A Tool: TOOL.md `name`, `label` as the title, the description followed by the TOOL.md
-  body (what the agent reads to use the tool well), `inputSchema` as is.
+  body (what the agent reads to use the tool well), `inputSchema` as is; a permissions block
+  as ``openWorldHint`` (it names a network) and whole in ``_meta`` under ``sandboxd/permissions``.
 - A result: `content` and `isError` as the tool returned them; `status` and `durationMs`
   in `_meta` under `sandboxd/`. A content block MCP does not know becomes a text block
   saying so, so one odd block never costs the whole answer.
@@ -28,8 +29,15 @@ def mcp_tool(tool: Mapping[str, Any]) -> types.Tool:
     body = (tool.get("documentation") or "").strip()
     if body:
         description = f"{description}\n\n{body}" if description else body
+    permissions = tool.get("permissions")
+    if not isinstance(permissions, Mapping):  # a tool without the block, or a daemon from before it
+        return types.Tool(name=tool["name"], title=tool.get("label") or None, description=description or None,
+                          input_schema=tool["inputSchema"])
+    # MCP's hint for a tool that reaches outside (the network); the block itself in _meta, as tools/list has it.
+    annotations = types.ToolAnnotations(open_world_hint=bool(permissions.get("network")))
     return types.Tool(name=tool["name"], title=tool.get("label") or None, description=description or None,
-                      input_schema=tool["inputSchema"])
+                      input_schema=tool["inputSchema"], annotations=annotations,
+                      _meta={"sandboxd/permissions": dict(permissions)})
 
 
 def content_blocks(content: Any) -> list[Any]:

@@ -336,9 +336,17 @@ def test_seed_tools_refuse_paths_outside_the_user_folder(make_daemon: Any) -> No
                 "output_path " + outside)
 
 
+def undeclare(manifest: Path) -> None:
+    """The tool's permissions block taken out: it then gets every call env name, as before issue 48."""
+    head, rest = manifest.read_text().split("\npermissions:", 1)
+    manifest.write_text(head + "\n---" + rest.split("\n---", 1)[1])
+
+
 def test_a_missing_binary_is_a_helpful_error(make_daemon: Any) -> None:
     # A PATH without /usr/bin stands in for an image that lacks the binaries.
     daemon = make_daemon("calls:\n  allowed_env: [PATH]\n")
+    for tool in ("ffmpeg", "convert_audio_to_mp3", "ocr", "email_db"):
+        undeclare(daemon.data / "tools" / tool / "TOOL.md")  # a declared tool's calls get no PATH (issue 48)
     write_wav(user_dir(daemon) / "memo.wav", seconds=0.5)
     make_mail(daemon.data / "email" / A / "emails.db")
     with daemon.client() as client:

@@ -85,13 +85,13 @@ def test_the_quick_start_example_parses_completely() -> None:
         name="hello",
         label="Hello",
         description="Says hello to the user. Use this when the user wants a greeting.",
-        version=2,
+        version=1,
         language="typescript",
         inputs=(Input(name="name", type="string", description="Who to greet."),),
         body="# Hello Tool\n\nGreets the user by name.\n\n## Usage\n\n"
              "Call with a `name` parameter to get a personalized greeting.",
         path=path,
-        permissions=NOTHING,  # the seed's copy declares that it needs nothing (issue 48)
+        permissions=NOTHING,  # the seed's copy declares that it needs nothing (issue 48); v1: the spec's example
     )
 
 

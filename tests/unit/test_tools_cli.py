@@ -37,6 +37,7 @@ HELLO_PROTOCOL = {
     },
     "documentation": "# Hello Tool\n\nGreets the user by name.\n\n## Usage\n\n"
                      "Call with a `name` parameter to get a personalized greeting.",
+    "permissions": {"network": [], "env": [], "email": "none", "browser": False},
 }
 
 USER_TOOL_MD = """---
@@ -86,6 +87,7 @@ LOOKUP_PROTOCOL = {
         "additionalProperties": False,
     },
     "documentation": "# Lookup",
+    "permissions": None,
 }
 
 
@@ -155,9 +157,9 @@ def test_list_prints_a_table(data: Path, capsys: pytest.CaptureFixture[str]) -> 
     code, out, _ = run(capsys, "tools", "list", "--data-path", str(data), "--user", USER)
     lines = out.splitlines()
     assert code == 0
-    assert lines[0].split() == ["NAME", "VERSION", "SOURCE", "DESCRIPTION"]
-    assert lines[1].split()[:3] == ["hello", "1", "global"] and lines[1].endswith("wants a greeting.")
-    assert lines[2].split() == ["lookup", "3", "user", "Looks", "things", "up."]
+    assert lines[0].split() == ["NAME", "VERSION", "SOURCE", "PERMISSIONS", "DESCRIPTION"]
+    assert lines[1].split()[:4] == ["hello", "1", "global", "none"] and lines[1].endswith("wants a greeting.")
+    assert lines[2].split() == ["lookup", "3", "user", "undeclared", "Looks", "things", "up."]
 
 
 def test_list_all_prints_why_directories_are_skipped(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
