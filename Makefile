@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker gvisor test-gvisor image serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
+.PHONY: help setup docker gvisor test-gvisor image swarm-images serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
@@ -12,6 +12,7 @@ help:
 	@echo "make typecheck  mypy over sandboxd/ (part of make test)"
 	@echo "make bench   benchmarks, side by side with the floors (BENCH_ARGS=--quick for a short run; BENCH_ARGS='--quick --only instructions': instructions per warm call, needs valgrind)"
 	@echo "make image   build the runner image (no registry needed)"
+	@echo "make swarm-images  the daemon and etcd images packaging/swarm/ deploys (docs/scale.md, On Docker Swarm)"
 	@echo "make gvisor  (as root) install gVisor's runsc and register it with the engine, for sandbox.runtime: runsc"
 	@echo "make test-gvisor  the end-to-end set again with every sandbox under gVisor (after make gvisor)"
 	@echo "make clients install (npm ci) and build the TypeScript client and the pi extension, and the MCP hosts' clients for the tests (clients/)"
@@ -39,6 +40,12 @@ gvisor: docker
 # build.sh says what it builds, and nothing when the image is up to date; its last stdout line is the tag.
 image: docker
 	@bash images/node/build.sh >/dev/null
+
+# packaging/swarm/'s images: the daemon as committed (FROM the runner's base, whose layers it
+# shares) and Debian's etcd. Each is rebuilt only when its inputs changed; the tags are printed.
+swarm-images: setup image
+	@bash images/sandboxd/build.sh
+	@bash images/etcd/build.sh
 
 # The daemon with the checkout's defaults, as every other command in the checkout has them: data in
 # $(LOCAL)/data, seed/tools. SOCKET=PATH picks the socket (then `export SANDBOXD_SOCKET=PATH` in the
