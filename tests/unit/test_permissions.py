@@ -147,3 +147,19 @@ def test_require_permissions_gives_an_undeclared_tool_nothing() -> None:
     request, guard = request_for("", ENV, require_permissions=True)
     assert request.env == {} and not request.stand_ins and request.browser_relay is None
     assert guard.network is not None and guard.network.grant("anywhere.test", 443, frozenset({443})) is None
+
+
+def test_mcp_s_tools_list_carries_the_block_as_annotations_and_meta() -> None:
+    from sandboxd.mcp.convert import mcp_tool
+
+    declared, _ = manifest("permissions:\n  network: [a.test]\n  email: read\n")
+    tool = Tool(parse_manifest_text("---\nname: demo\ndescription: D.\nversion: 1\npermissions:\n  email: read\n---\n# D\n",
+                                    PATH)[0], PATH.parent, PATH.parent / "index.ts", "user")  # type: ignore[arg-type]
+    quiet = mcp_tool(tool.to_protocol()).model_dump(by_alias=True, exclude_none=True)
+    assert quiet["annotations"] == {"openWorldHint": False}
+    assert quiet["_meta"] == {"sandboxd/permissions": {"network": [], "env": [], "email": "read", "browser": False}}
+    assert declared is not None
+    networked = mcp_tool({**tool.to_protocol(), "permissions": declared.to_protocol()})
+    assert networked.annotations is not None and networked.annotations.open_world_hint is True
+    undeclared = mcp_tool({**tool.to_protocol(), "permissions": None}).model_dump(by_alias=True, exclude_none=True)
+    assert "annotations" not in undeclared and "_meta" not in undeclared

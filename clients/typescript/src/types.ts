@@ -32,6 +32,18 @@ export interface Tool {
   inputSchema: InputSchema;
   /** The TOOL.md body: the documentation the agent reads. */
   documentation: string;
+  /** What one call may reach, receive and open (TOOL.md's permissions block); null when undeclared. */
+  permissions: Permissions | null;
+}
+
+export interface Permissions {
+  /** Hosts, as egress.allow writes them; "*" leaves every host to the operator's policy. */
+  network: string[];
+  /** Call env names the tool receives. */
+  env: string[];
+  email: "none" | "read" | "write";
+  /** Whether the tool reaches the browser relay. */
+  browser: boolean;
 }
 
 export type CallStatus = "ok" | "error" | "timeout" | "cancelled" | "crashed";
