@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, NamedTuple, Protocol
 
 from sandboxd.cluster.records import MOVING_RETRY_MS, NodeRecord, UserRecord
 from sandboxd.errors import BackendUnavailable, NotServedHere, SandboxdError
-from sandboxd.router.rendezvous import place
+from sandboxd.cluster.rendezvous import place
 
 REFUSED = NotServedHere.code  # a host refused the call before starting it; data.reason says why
 

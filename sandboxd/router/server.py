@@ -19,7 +19,7 @@ from sandboxd.logging import get_logger
 from sandboxd.router import fleet
 from sandboxd.router.forward import Answered, Forward, Hosts, NotSent, Sending, routed, send
 from sandboxd.router.ids import client_token, with_token
-from sandboxd.router.rendezvous import weight
+from sandboxd.cluster.rendezvous import weight
 from sandboxd.router.routing import Directory, no_host
 from sandboxd.router.upstream import Dial, HostUnreachable, UpstreamConnection, UpstreamLost
 from sandboxd.router.watch import Watches, watched_user

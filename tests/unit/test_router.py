@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from sandboxd.router.ids import Slot, UpstreamIds, client_token, with_token
-from sandboxd.router.rendezvous import place
+from sandboxd.cluster.rendezvous import place
 from sandboxd.wire import PROGRESS, TOOLS_LIST_CHANGED, error_object, error_response, notification, response
 
 USERS = [f"user{i}@example.com" for i in range(1000)]
