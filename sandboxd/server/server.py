@@ -20,7 +20,7 @@ from sandboxd.egress.proxy import EgressProxy
 from sandboxd.errors import BackendUnavailable, ConfigError, InvalidParams
 from sandboxd.logging import SUMMARY_INTERVAL_S, get_logger, log_dropped_summary, set_log_budget, set_log_level, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
-from sandboxd.sandbox.email_access import owner_access, owner_user
+from sandboxd.sandbox.email_access import likely_owner, owner_access, owner_user
 from sandboxd.sandbox.factory import make_backend, user_sandbox_spec
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls import CallRunner, Calls
@@ -348,12 +348,15 @@ class Server:
             raise InvalidParams("tools/list params must be an object like {\"user\": \"alice@example.com\"}.")
         user = params.get("user") if params is not None else None
         user = None if user is None else check_user(user)
-        if user is not None and not self.stopping and (self.cluster is None or self.cluster.serves(user)):
-            # A session lists its tools when it starts: its first call, seconds later, finds a warm sandbox.
-            self.pool.warm(user)
+        warm = user is not None and not self.stopping and (self.cluster is None or self.cluster.serves(user))
 
         async def listed() -> dict[str, Any]:
             tools = await self.catalog.tools_async(user)  # any scan runs in a worker thread
+            if warm and user is not None:
+                # A session lists its tools when it starts: its first call, seconds later, finds a warm sandbox,
+                # of the email access most of its tools need (sandbox/email_access.py).
+                self.pool.warm(likely_owner(user, (tool.permissions for tool in tools),
+                                            self.config.tools.require_permissions))
             return {"tools": [tool.to_protocol() for tool in tools]}
 
         return Later(listed())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 from sandboxd.client import Client
 
 from tests.e2e.conftest import GVISOR, PYTHON_SCRIPT_TOOL, READ_ONLY_REFUSALS, Daemon
+from tests.e2e.hostile_harness import wait_until
 from tests.e2e.results import ok, text
 from tests.e2e.test_email_files import mail_path, sync_open
 
@@ -229,3 +231,19 @@ def test_a_read_tool_opens_a_wal_database_whose_sync_has_closed(make_daemon: Any
         sync.execute("INSERT INTO messages (subject) VALUES ('after the reopen')")
         assert "messages: 3 rows" in ok(client.call_tool(A, "email_db", {"action": "stats"}))
     sync.close()
+
+
+def test_a_sessions_listing_warms_the_sandbox_most_of_its_tools_need(make_daemon: Any) -> None:
+    """The seed tools mostly declare no email: the sandbox a listing warms is the one hello's call takes."""
+    daemon = make_daemon("pool:\n  min_idle: 1\n  max_per_user: 1\n", start=False)
+    for fixture in (daemon.data / "tools").iterdir():  # the harness's tools declare nothing: the seeds alone
+        shutil.rmtree(fixture)
+    daemon.start()
+    with daemon.client() as client:
+        client.request("tools/list", {"user": A})
+        wait_until(lambda: client.request("sandbox/status")["pool"]["users"].get(A, {}).get("idle") == 1, 60,
+                   "the sandbox the listing warms")
+        assert ok(client.call_tool(A, "hello", {"name": "A"})) == "Hello, A!"
+        pool = client.request("sandbox/status")["pool"]
+        # One per owner at most here: a second would be a sandbox started for the call, past the warmed one.
+        assert pool["counters"]["started"] == 1, pool

@@ -12,7 +12,7 @@ import pytest
 from sandboxd.config import AUTO_SANDBOX_ID, PoolConfig
 from sandboxd.container import CONTAINER_EMAIL_DIR
 from sandboxd.sandbox.backend import SandboxSpec
-from sandboxd.sandbox.email_access import call_owner, owner, owner_access, owner_user
+from sandboxd.sandbox.email_access import call_owner, likely_owner, owner, owner_access, owner_user
 from sandboxd.sandbox.fake import FakeBackend
 from sandboxd.sandbox.mounts import sandbox_binds
 from sandboxd.sandbox.pool import Pool
@@ -83,3 +83,11 @@ def test_the_pool_never_hands_a_sandbox_of_one_access_to_a_call_of_another() -> 
 
     asyncio.run(main())
     assert started == [A, owner(A, "none")]
+
+
+def test_a_listing_warms_the_owner_most_tools_need() -> None:
+    none, read = Permissions(declared=True), Permissions(email="read", declared=True)
+    assert likely_owner(A, [none, read, none, UNDECLARED], required=False) == owner(A, "none")
+    assert likely_owner(A, [UNDECLARED, UNDECLARED, read], required=False) == A
+    assert likely_owner(A, [UNDECLARED, UNDECLARED, read], required=True) == owner(A, "none")
+    assert likely_owner(A, [], required=False) == A
