@@ -32,6 +32,7 @@ from bench.daemon import REPO
 from bench.load import throughput
 from bench.egress_tls import secrets_over_https
 from bench.email import email_cost
+from bench.permissions import permissions_cost
 from bench.neighbours import noisy_neighbours
 from bench.cluster import cluster_cost
 from bench.quota import quota_cost
@@ -40,7 +41,7 @@ from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "email", "instructions")
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "email", "permissions", "instructions")
 # The sections measured on the main benchmark daemon: without any of them, it is not started.
 DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
 WARM_ROUNDS = 5  # warm calls and their attach floor alternate this many times
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         if "email" not in args.skip:
             results["email"] = email_cost(root / "email", run_id, args.image, calls=min(args.calls, 2000),
                                           samples=args.samples, say=say)
+        if "permissions" not in args.skip:
+            results["permissions"] = permissions_cost(root / "permissions", run_id, args.image,
+                                                      calls=min(args.calls, 2000), say=say)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

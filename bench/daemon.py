@@ -179,6 +179,23 @@ def sequential_calls(conn: LineSocket, template: bytes, count: int, *, first_id:
     return samples
 
 
+def calls_in_turns(daemon: BenchDaemon, templates: dict[str, bytes], calls: int, rounds: int = 5) -> dict[str, Any]:
+    """Warm calls of each template (200 first, unmeasured), then ``calls`` more each in ``rounds`` rounds that
+    take turns, so that all share the machine's state; each template's latencies summarized."""
+    conn = daemon.connect()
+    try:
+        for template in templates.values():
+            sequential_calls(conn, template, 200)
+        daemon.settle()
+        samples: dict[str, list[float]] = {name: [] for name in templates}
+        for _ in range(rounds):
+            for name, template in templates.items():
+                samples[name] += sequential_calls(conn, template, max(1, calls // rounds))
+        return {name: summarize(seconds) for name, seconds in samples.items()}
+    finally:
+        conn.close()
+
+
 def ping_latency(daemon: BenchDaemon, count: int) -> dict[str, Any]:
     conn = daemon.connect()
     try:

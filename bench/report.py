@@ -216,6 +216,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _quota_rows(r.get("quota", {}))
     out += _cluster_rows(r.get("cluster", {}))
     out += _email_rows(r.get("email", {}))
+    out += _permissions_rows(r.get("permissions", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
@@ -304,6 +305,18 @@ def _quota_rows(q: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             out.append((f"disk quota {mode}: daemon CPU per warm call", f"{cpu:.0f} µs", f"quota off {base_cpu:.0f} µs",
                         "", "", "—"))
     return out
+
+
+def _permissions_rows(p: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """A warm call of a tool with a permissions block against one without, same sandbox (bench/permissions.py)."""
+    if not p.get("hello_declared"):
+        return []
+    mine, base = p["hello_declared"], p["hello_undeclared"]
+    x = ratio(mine.get("p50_ms"), base.get("p50_ms"))
+    return [("a warm call of a tool with a permissions block, p50 / p99",
+             f"{_ms(mine.get('p50_ms'))} / {_ms(mine.get('p99_ms'))}",
+             f"no block {_ms(base.get('p50_ms'))} / {_ms(base.get('p99_ms'))}", _x(x), "≤ 1.05×",
+             _check(x is not None and x <= 1.05))]
 
 
 def _email_rows(e: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:

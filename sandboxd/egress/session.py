@@ -145,7 +145,7 @@ class EgressSession:
         reader, scheme, host, port, forward = request
         call = self._context()  # one look at the sandbox's call: what it was granted, and the grant that ends with it
         relaying = host == RELAY_NAME
-        if call.network is not None and not relaying and await self._undeclared(conn, call.network, host, port):
+        if await self._undeclared(conn, call.network, host, port, relaying):
             return
         if scheme == "http" and await self._held_back(conn, call.stand_ins, forward, host, port):
             return
@@ -207,10 +207,12 @@ class EgressSession:
         await reply(conn, 400, "failed", message)
         return None
 
-    async def _undeclared(self, conn: socket.socket, network: ToolNetwork, host: str, port: int) -> bool:
+    async def _undeclared(self, conn: socket.socket, network: ToolNetwork | None, host: str, port: int,
+                          relaying: bool) -> bool:
         """Refuse (403) a request to where the running tool's permissions.network does not reach, before any
-        lookup: True once answered; False when the policy decides (rules/tool_network.py)."""
-        if network.grant(host, port, self._proxy.policy.ports) is not None:
+        lookup: True once answered; False when the policy decides (rules/tool_network.py). The relay is
+        browser: true's, granted per call (rules/browser_relay.py)."""
+        if network is None or relaying or network.grant(host, port, self._proxy.policy.ports) is not None:
             return False
         self._record("refused", "not in permissions.network", host, port, None)
         await reply(conn, 403, "refused", network.refusal(host, port))

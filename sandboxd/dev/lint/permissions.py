@@ -132,19 +132,9 @@ def _url_arguments(node: Node, uses: Uses) -> None:
 def _literal_url(node: Node | None) -> tuple[str, int] | None:
     """(host, port) of a URL written as a string, or begun by one (``"https://h/?q=" + q``, a template)
     whose host comes whole before what is added at run time."""
-    whole = node is not None and (node.type == "string" or node.type == "template_string" and all(
-        child.type == "string_fragment" for child in node.named_children))
-    while node is not None and node.type == "binary_expression" and node_text(node.child_by_field_name("operator")) == "+":
-        node = unwrap(node.child_by_field_name("left"))
-    if node is None or node.type not in ("string", "template_string"):
+    text = _url_text(node)
+    if text is None:
         return None
-    first = node if node.type == "string" else node.named_children[0] if node.named_children else None
-    if first is None or first.type not in ("string", "string_fragment"):
-        return None
-    text = string_value(first) if first.type == "string" else node_text(first)
-    authority = text.split("://", 1)[1] if "://" in text else ""
-    if not whole and not any(mark in authority for mark in "/?#"):
-        return None  # `https://${host}` or "https://api." + domain: the host is built at run time
     try:
         parts = urlsplit(text)
         port = parts.port
@@ -153,6 +143,30 @@ def _literal_url(node: Node | None) -> tuple[str, int] | None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return None
     return parts.hostname.lower().rstrip("."), port or (443 if parts.scheme == "https" else 80)
+
+
+def _url_text(node: Node | None) -> str | None:
+    """The URL's written start, when it holds the host whole; None when the host is built at run time."""
+    whole = node is not None and (node.type == "string" or node.type == "template_string" and all(
+        child.type == "string_fragment" for child in node.named_children))
+    while node is not None and node.type == "binary_expression" and node_text(node.child_by_field_name("operator")) == "+":
+        node = unwrap(node.child_by_field_name("left"))
+    first = _first_text(node)
+    if first is None:
+        return None
+    text = string_value(first) if first.type == "string" else node_text(first)
+    authority = text.split("://", 1)[1] if "://" in text else ""
+    if not whole and not any(mark in authority for mark in "/?#"):
+        return None  # `https://${host}` or "https://api." + domain: the host is built at run time
+    return text
+
+
+def _first_text(node: Node | None) -> Node | None:
+    """A string, or a template's text before its first ``${``."""
+    if node is None or node.type not in ("string", "template_string"):
+        return None
+    first = node if node.type == "string" else node.named_children[0] if node.named_children else None
+    return first if first is not None and first.type in ("string", "string_fragment") else None
 
 
 def _undeclared(uses: Uses, force: Permissions, path: Path) -> list[Problem]:
