@@ -55,3 +55,9 @@ class LineBuffer:
                 buffer.clear()
             else:
                 del buffer[:start]
+
+    def take_rest(self) -> bytes:
+        """What was fed and not yet handed out as a line, emptied: the raw bytes after a raw request (server/raw.py)."""
+        rest = b"" if self._skipping else bytes(self._buffer)
+        self._buffer.clear()
+        return rest

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Mapping, Protocol, cast
+from typing import Any, Mapping, Protocol, cast
 
-from sandboxd.errors import PeerRefused
+from sandboxd.errors import InvalidParams, PeerRefused
 from sandboxd.lines import LineBuffer
-from sandboxd.server.rpc import Dispatcher, Method, error_body
+from sandboxd.server.raw import Raw, RawChannel
+from sandboxd.server.rpc import Dispatcher, Later, Method, error_body
 from sandboxd.wire import INVALID_REQUEST, Message, encode, error_object, error_response
 
 # Stop reading from a client whose responses pile up unread.
@@ -94,7 +95,9 @@ class Connection(asyncio.Protocol):
         self.refusal = refusal
         self.transport: asyncio.Transport | None = None
         self._lines = LineBuffer(edge.max_message_bytes)
-        self._rpc = Dispatcher(self.send, edge.methods(self))
+        self._rpc = Dispatcher(self.send, edge.methods(self), self._go_raw)
+        self._lines_handled = 0
+        self._raw: RawChannel | None = None  # a raw method's (server/raw.py): it takes every byte from then on
         self.closed = False
         self._refused = False  # by the edge: what it sends is dropped (RefusedPeers)
         self._paused: set[str] = set()  # why reading is paused: "writing" (the client reads no more), "turn"
@@ -135,6 +138,8 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # read only so that the close does not reset the peer's answer
+        if self._raw is not None:
+            return self._raw.received(data)
         self._handle(data)
 
     def _handle(self, data: bytes = b"") -> None:
@@ -143,8 +148,11 @@ class Connection(asyncio.Protocol):
         lines = self._lines.feed(data)
         try:
             for handled, line in enumerate(lines, 1):
+                self._lines_handled += 1
                 if isinstance(line, bytes):
                     self._rpc.handle_line(line)
+                    if self._raw is not None:
+                        break  # the bytes after its request line are the raw method's (below)
                 else:  # over the limit, and skipped
                     self.send(error_response(None, error_object(INVALID_REQUEST, (
                         f"message longer than {self._lines.max_line} bytes; it was skipped. "
@@ -156,6 +164,8 @@ class Connection(asyncio.Protocol):
                     return
         finally:
             lines.close()  # what was not handled stays in the buffer for the next turn
+        if self._raw is not None:
+            return self._raw.received(self._lines.take_rest())
         if self._paused:  # (nearly never: asked here, it spares every message a call)
             self._resume("turn")
 
@@ -174,8 +184,33 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # A unix socket cannot tell a half-close from a close: EOF is a disconnect,
         # which cancels the calls in flight (connection_lost follows). A refused peer's
-        # connection stays for its answer, which RefusedPeers sends before closing it.
+        # connection stays for its answer, which RefusedPeers sends before closing it;
+        # a raw method's too: its client's EOF ends the bytes it sends, not the connection.
+        if self._raw is not None:
+            self._raw.ended()
+            return True
         return self._refused
+
+    # -- raw methods (server/raw.py) ----------------------------------------------
+
+    def _go_raw(self, request_id: Any, raw: Raw) -> Later:
+        """Hand the connection's bytes to ``raw``'s work; InvalidParams unless its request is the connection's first."""
+        if self._lines_handled != 1 or self._rpc.busy or self.transport is None:
+            raise InvalidParams("this method moves raw bytes: it must be the first and only request on a connection "
+                                "of its own. Open a new connection for it (sandboxd users export/import do).")
+        transport = self.transport
+        channel = self._raw = RawChannel(request_id, self.send, lambda: self._pause("raw"),
+                                         lambda: self._resume("raw"), transport.write, transport.close)
+        return Later(self._run_raw(raw, channel), channel)
+
+    async def _run_raw(self, raw: Raw, channel: RawChannel) -> None:
+        """The work, its failure told in the one JSON line when nothing was answered yet; the connection closed after."""
+        try:
+            await raw.work(channel)
+        except Exception as exc:
+            channel.fail(error_body(exc, "raw"))
+        finally:
+            channel.close()
 
     def send(self, message: Message) -> None:
         if not self.closed and self.transport is not None and not self.transport.is_closing():

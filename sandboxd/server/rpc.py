@@ -21,6 +21,7 @@ from typing import Any, Callable, Coroutine, Mapping, NamedTuple, Protocol, Unio
 
 from sandboxd.errors import InvalidParams, MethodNotFound, SandboxdError
 from sandboxd.logging import get_logger, source
+from sandboxd.server.raw import Raw
 from sandboxd.wire import (CANCELLED, INTERNAL_ERROR, ErrorObject, Malformed, Message, error_object, error_response,
                            is_request_id, parse_request, response)
 
@@ -51,7 +52,7 @@ class Later(NamedTuple):
     request: InFlight | None = None
 
 
-Method = Callable[[Any, Any], Union[Result, Later]]  # (request id, params)
+Method = Callable[[Any, Any], Union[Result, Later, Raw]]  # (request id, params)
 
 
 def error_body(exc: BaseException, method: str | None = None) -> ErrorObject:
@@ -63,9 +64,11 @@ def error_body(exc: BaseException, method: str | None = None) -> ErrorObject:
 
 
 class Dispatcher:
-    def __init__(self, send: Callable[[Message], None], methods: Mapping[str, Method]) -> None:
+    def __init__(self, send: Callable[[Message], None], methods: Mapping[str, Method],
+                 raw: Callable[[Any, Raw], Later] | None = None) -> None:
         self._send = send
         self._methods = methods
+        self._raw = raw  # the connection's: a raw method's answer made the Later that takes its bytes over
         self._in_flight: dict[Any, InFlight | None] = {}  # by request id, until answered
         # The tasks that answer them (the loop keeps only a weak reference), by id: dropped as they answer.
         self._answering: dict[Any, asyncio.Task[None]] = {}
@@ -91,6 +94,10 @@ class Dispatcher:
             answer = handler(request_id, params)
             if isinstance(answer, dict):
                 return self._send(response(request_id, answer))
+            if isinstance(answer, Raw):
+                if self._raw is None:
+                    raise InvalidParams(f"{method} needs a connection of its own; it cannot be called here.")
+                answer = self._raw(request_id, answer)  # InvalidParams when the connection is not fresh
             if request_id in self._in_flight:
                 answer.work.close()  # never started: nothing of it to undo
                 raise InvalidParams(f"id {request_id!r} is already used by a request in flight on this connection; "
@@ -111,6 +118,11 @@ class Dispatcher:
         self._done(request_id)
         if result is not None:
             self._send(response(request_id, result))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in flight."""
+        return bool(self._in_flight)
 
     def _done(self, request_id: Any) -> None:
         """Free the id before the answer goes out: a client may reuse it once answered. (The running

@@ -30,6 +30,7 @@ from sandboxd.server.data_path import check_data_path_mount, lock_data_path
 from sandboxd.server.lifecycle import Lifecycle
 from sandboxd.server.orphans import OrphanSweep
 from sandboxd.server.reload import config_change
+from sandboxd.server.transfer import UserTransfer
 from sandboxd.server.rpc import Later, Method
 from sandboxd.server.tls_listener import TlsListener, start_cluster_listener
 from sandboxd.server.watch import ToolWatch
@@ -97,6 +98,7 @@ class Server:
                                  on_call=self.metrics.observe_call, gate=self.cluster)
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
+        self.transfer = UserTransfer(lambda: self.config, self.calls.holds)  # users/export, users/import
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
         # The edge: who may connect, and who is connected.
         self.peer_policy = PeerPolicy.from_config(config)
@@ -341,7 +343,7 @@ class Server:
         return {"ping": lambda _id, _params: {}, "tools/list": self._list_tools,
                 "tools/call": functools.partial(self.calls.start, connection.send),
                 "tools/watch": lambda _id, params: Later(self.watch.watch(connection, connection.send, params)),
-                "sandbox/status": lambda _id, _params: self.status()}
+                "sandbox/status": lambda _id, _params: self.status(), **self.transfer.methods(connection)}
 
     def _list_tools(self, _id: Any, params: Any) -> Later:
         if params is not None and not isinstance(params, dict):

@@ -81,6 +81,7 @@ class CallContext:
     phase: Phase = field(default=Phase.CHECKING, init=False)
     task: asyncio.Task[Any] | None = field(default=None, init=False)  # the one running the call
     sandbox: Sandbox | None = field(default=None, init=False)
+    user: str | None = field(default=None, init=False)  # set once past the user's hold (calls/holds.py)
     cancel_reason: str | None = field(default=None, init=False)
     queue_wait_s: float | None = field(default=None, init=False)  # set once a sandbox is acquired
     client_paused: bool = field(default=False, init=False)  # its client reads no more

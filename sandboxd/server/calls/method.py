@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from sandboxd.errors import ShuttingDown
 from sandboxd.server.calls.context import CallContext
+from sandboxd.server.calls.holds import UserHolds
 from sandboxd.server.calls.params import CallParams, parse_call_params
 from sandboxd.server.calls.runner import CallRunner
 from sandboxd.server.rpc import Later
@@ -23,6 +24,7 @@ class Calls:
         self.catalog = catalog
         self._stopping = stopping
         self.in_flight: set[CallContext] = set()  # from their first step to their answer: what shutdown waits for
+        self.holds = UserHolds(lambda: self.in_flight)  # users whose calls wait (an export reading their folder)
 
     def start(self, send: Callable[[Message], None], request_id: Any, params: Any) -> Later:
         """The tools/call method (``send``: to its client): admit and check what can be checked now;
@@ -58,6 +60,9 @@ class Calls:
                     call = self._check(params, arrived)  # the lookup now trusts the scan just made
                 except ScanNeeded:
                     continue
+            if self.holds.held:  # an export reads some user's folder live: that user's calls wait for its end
+                await self.holds.wait(call.user)
+            ctx.user = call.user  # from here, an export of the user waits for this call
             return await self.runner.run(call, ctx, on_progress)
         finally:
             self.in_flight.discard(ctx)

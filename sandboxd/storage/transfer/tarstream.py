@@ -115,15 +115,17 @@ class TarReader:
 
     def _finish(self) -> None:
         """After the first zero block: only zeros may follow (the second block, the record's padding)."""
+        after = 0
         while True:
             chunk = self._read(RECORD)
             if not chunk:
                 return
             self.bytes_read += len(chunk)
+            after += len(chunk)
             if chunk.count(0) != len(chunk):
                 raise ArchiveRefused(f"the end of the archive, after {self._current!r}",
                                      "data follows the end-of-archive marker")
-            if self.bytes_read > (1 << 20) + RECORD:
+            if after > RECORD:
                 raise ArchiveRefused("the end of the archive", "more than a record of padding follows it")
 
 
