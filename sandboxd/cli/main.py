@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from sandboxd import __version__
-from sandboxd.cli import (client_cmds, cluster_cmds, dev_cmds, mcp_cmds, serve_cmds, storage_cmds, tools_cmds,
-                          users_cmds)
+from sandboxd.cli import (client_cmds, cluster_cmds, dev_cmds, mcp_cmds, router_cmds, serve_cmds, storage_cmds,
+                          tools_cmds, users_cmds)
 from sandboxd.cli.common import EXIT_OK, EXIT_USAGE, Handler, common_parent, config_overrides, fail
 from sandboxd.config import RUNNER_IMAGE, load_config
 from sandboxd.errors import ConfigError
@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parent = common_parent()
     # users_cmds after cluster_cmds: it adds export and import to the `users` command cluster_cmds makes.
-    for module in (serve_cmds, client_cmds, mcp_cmds, tools_cmds, dev_cmds, storage_cmds, cluster_cmds, users_cmds):
+    for module in (serve_cmds, client_cmds, mcp_cmds, router_cmds, tools_cmds, dev_cmds, storage_cmds, cluster_cmds,
+                   users_cmds):
         module.add_commands(subparsers, parent)
     return parser
 

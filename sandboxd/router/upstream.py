@@ -51,38 +51,35 @@ Lost = Callable[["UpstreamConnection"], None]
 WATCHES_PER_CONNECTION = 16  # what a host lets one connection watch (server/watch.py)
 
 
-class UpstreamConnection:
-    """One connection to a host: its requests in flight (``UpstreamIds``) and the task reading its answers."""
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to a host: its requests in flight (``UpstreamIds``), read as the bytes arrive.
 
-    def __init__(self, node: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 on_notification: Notify, on_lost: Lost) -> None:
+    The dial's streams hand over their transport (``set_protocol``): an answer then wakes its caller
+    straight from ``data_received``, not through a reading task first (a loop turn per answer). A
+    host sends nothing unasked, so nothing waits in the stream's buffer at the handover."""
+
+    def __init__(self, node: str, writer: asyncio.StreamWriter, on_notification: Notify, on_lost: Lost) -> None:
         self.node = node
         self.ids = UpstreamIds()
         self.watching = 0  # users the router watches on this connection
-        self._reader, self._writer = reader, writer
         self._lines = LineBuffer()  # the host is trusted as far as framing goes (it is ours, and TLS-checked)
         self._on_notification, self._on_lost = on_notification, on_lost
         self.closed = False
-        self._reading = asyncio.get_running_loop().create_task(self._read())
+        self._writer = writer  # kept: a stream writer collected closes its transport
+        self.transport = writer.transport
+        self.transport.set_protocol(self)
 
-    async def _read(self) -> None:
-        try:
-            while chunk := await self._reader.read(1 << 16):
-                self._received(chunk)
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            self._lost()
-
-    def _lost(self) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._writer.close()
         for slot in self.ids.lost():
             if not slot.waiter.done():
                 slot.waiter.set_exception(UpstreamLost(
                     f"host {self.node} closed the connection while the call was in flight; it may have run, so "
                     "the router did not send it again. Check the host (its log), then call again."))
         self._on_lost(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._received(data)
 
     def _received(self, data: bytes) -> None:
         for line in self._lines.feed(data):
@@ -114,15 +111,20 @@ class UpstreamConnection:
         return upstream_id
 
     def write(self, message: Any) -> None:
-        if not self.closed:
-            self._writer.write(encode(message))
+        if not self.closed and not self.transport.is_closing():
+            self.transport.write(encode(message))
 
     def cancel(self, upstream_id: int, reason: str) -> None:
         if upstream_id in self.ids.slots:
             self.write(cancelled(upstream_id, reason))
 
     def close(self) -> None:
-        self._reading.cancel()
+        self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
 
 
 class Upstream:
@@ -163,12 +165,12 @@ class Upstream:
 
     async def _open(self) -> UpstreamConnection:
         try:
-            reader, writer = await asyncio.wait_for(self._dial(self.node, self.address), DIAL_TIMEOUT_S)
+            _, writer = await asyncio.wait_for(self._dial(self.node, self.address), DIAL_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, DaemonUnreachable) as exc:
             why = str(exc) or f"no answer within {DIAL_TIMEOUT_S:g} s"
             raise HostUnreachable(f"host {self.node} at {self.address} cannot be reached ({why}); nothing ran. "
                                   "Check that it runs and listens, then call again.") from None
-        conn = UpstreamConnection(self.node, reader, writer, self._on_notification, self._on_lost)
+        conn = UpstreamConnection(self.node, writer, self._on_notification, self._on_lost)
         self.connections.append(conn)
         return conn
 
@@ -186,12 +188,16 @@ class Upstream:
         upstream_id = conn.send(method, params, slot, rewrite)
         if sent is not None:
             sent(conn, upstream_id)
+        # A timer, not asyncio.wait_for: that wraps every call's wait in one more future and callback.
+        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(timeout_s, _expire, slot.waiter)
         try:
-            return await asyncio.wait_for(slot.waiter, timeout_s)
+            return await slot.waiter
         except (asyncio.CancelledError, asyncio.TimeoutError):
             conn.cancel(upstream_id, "the router's caller left")
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             conn.ids.close(upstream_id)
 
     def close(self) -> None:
