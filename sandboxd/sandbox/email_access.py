@@ -31,9 +31,13 @@ def owner(user: str, access: EmailAccess) -> str:
 def call_owner(user: str, permissions: Permissions, required: bool) -> str:
     """The owner whose sandbox may run a call of a tool with ``permissions``
     (``required``: tools.require_permissions)."""
-    if not permissions.declared and not required:
-        return user  # the common call: a tool without the block, as before
-    return owner(user, permissions.email_access(required))
+    if permissions.declared:  # a declared block always holds its calls (Permissions.in_force)
+        access = permissions.email
+    elif required:
+        access = permissions.email_access(required)
+    else:
+        return user  # a tool without the block, as before
+    return user if access == FULL_ACCESS else f"{user}{_MARK}{access}"
 
 
 def likely_owner(user: str, permissions: Iterable[Permissions], required: bool) -> str:
