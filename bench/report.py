@@ -214,6 +214,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _runtime_rows(r)
     out += _https_rows(r.get("https", {}))
     out += _quota_rows(r.get("quota", {}))
+    out += _transfer_rows(r.get("transfer", {}))
     out += _cluster_rows(r.get("cluster", {}))
     out += _email_rows(r.get("email", {}))
     out += _permissions_rows(r.get("permissions", {}))
@@ -282,6 +283,18 @@ def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]
         out.append(("gVisor (runsc, ptrace): an idle sandbox's memory (its cgroup), median", f"{mine:.1f} MB",
                     f"runc {base:.1f} MB", _x(ratio(mine, base)), "", "—"))
     return out
+
+
+def _transfer_rows(t: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """One user exported from a btrfs filesystem and imported into another, through a pipe (bench/transfer.py)."""
+    if "skipped" in t:
+        return [("users export + import", "skipped", t["skipped"], "", "", "—")]
+    if not t.get("move_s"):
+        return []
+    return [(f"users export + import of a {t['mib']}-MiB user ({t['files']} files), btrfs to btrfs",
+             f"{t['move_s']:.1f} s", f"import alone {t['import']['seconds']:.1f} s", "", "", "—"),
+            ("… what makes the export consistent: the read-only snapshot", f"{t['snapshot_ms']:.0f} ms",
+             f"holding the user's calls instead {t['held_s']:.1f} s", "", "", "—")]
 
 
 def _quota_rows(q: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
