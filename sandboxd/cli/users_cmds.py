@@ -60,7 +60,8 @@ def _users_group(subparsers: argparse._SubParsersAction) -> argparse._SubParsers
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", type=Path, metavar="PATH", help="the daemon's socket")
-    p.add_argument("--json", action="store_true", help="print {user, files, bytes, seconds} on stdout")
+    p.add_argument("--json", action="store_true", help="print {user, files, bytes, seconds} on stdout (on stderr "
+                   "when stdout carries the archive)")
 
 
 def _connect(path: Path) -> socket.socket:
@@ -77,8 +78,8 @@ def _connect(path: Path) -> socket.socket:
 
 
 def _say(args: argparse.Namespace, summary: dict[str, Any], verb: str) -> None:
-    if args.json:
-        print(json.dumps(summary))
+    if args.json:  # on stderr when stdout carries the archive (--out -)
+        print(json.dumps(summary), file=sys.stderr if getattr(args, "out", None) == "-" else sys.stdout)
     else:
         print(f"{verb} {summary['user']}: {summary['files']} files, {summary['bytes']} bytes in {summary['seconds']} s",
               file=sys.stderr)

@@ -208,10 +208,37 @@ def test_the_unchanged_archive_imports_there(soft_daemon: Daemon, exported: byte
     done = cli("users", "import", "-", "--socket", str(soft_daemon.socket), "--json", stdin=exported)
     assert done.returncode == 0, done.stderr.decode()
     assert json.loads(done.stdout)["user"] == USER
-    # Out again through the daemon, and the same bytes: the archive's entries are its folder's.
-    back = cli("users", "export", USER, "--out", "-", "--socket", str(soft_daemon.socket))
+    # Out again through the daemon (no btrfs here: the user's calls held), and the same entries.
+    back = cli("users", "export", USER, "--out", "-", "--socket", str(soft_daemon.socket), "--json")
     assert back.returncode == 0, back.stderr.decode()
+    assert json.loads(back.stderr)["consistentBy"] == "calls held"  # stdout is the archive
     assert [m.name for m, _ in members(back.stdout)] == [m.name for m, _ in members(exported)]
+
+
+NOBODY_UID = 65534
+PEER_EXPORT = """
+import json, socket, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+sock.sendall(b'{"jsonrpc":"2.0","id":1,"method":"users/export","params":{"user":"alice@example.com"}}\\n')
+print(sock.makefile("rb").readline().decode())
+"""
+
+
+def test_another_uid_may_not_export_or_import(soft_daemon: Daemon) -> None:
+    """The socket's other clients may call tools, never take a user's data: only root and the daemon's uid."""
+    soft_daemon.socket.parent.chmod(0o755)
+    soft_daemon.socket.chmod(0o666)
+    try:
+        # The system python: the venv's lies under /root, which uid 65534 cannot reach.
+        ran = subprocess.run(["/usr/bin/python3", "-c", PEER_EXPORT, str(soft_daemon.socket)], capture_output=True,
+                             text=True, timeout=60, preexec_fn=lambda: os.setuid(NOBODY_UID), check=False)
+    finally:
+        soft_daemon.socket.chmod(0o660)
+        soft_daemon.socket.parent.chmod(0o700)
+    answer = json.loads(ran.stdout)
+    assert answer["error"]["code"] == -32003, ran.stdout + ran.stderr
+    assert f"uid {NOBODY_UID} may call tools here" in answer["error"]["message"]
 
 
 def test_a_raw_method_must_be_alone_on_its_connection(soft_daemon: Daemon) -> None:
