@@ -215,7 +215,7 @@ class EgressSession:
         if network is None or relaying or network.grant(host, port, self._proxy.policy.ports) is not None:
             return False
         self._record("refused", "not in permissions.network", host, port, None)
-        await reply(conn, 403, "refused", network.refusal(host, port))
+        await reply(conn, 403, "refused", network.refusal(host, port, self._proxy.policy.ports))
         return True
 
     async def _held_back(self, conn: socket.socket, stand_ins: StandIns, head: bytes, host: str, port: int) -> bool:

@@ -33,11 +33,12 @@ class ToolNetwork:
                 return entry.text
         return None
 
-    def refusal(self, host: str, port: int) -> str:
-        """The 403's line: the tool, what it lacks, and who can change it."""
+    def refusal(self, host: str, port: int, ports: frozenset[int]) -> str:
+        """The 403's line: the tool, the entry it lacks (with the port when egress.ports lacks it), and who adds it."""
         declared = ", ".join(entry.text for entry in self.entries) or "nothing"
-        return (f"egress to {host}:{port} refused by sandboxd: tool {self.tool!r} does not declare {host} in "
-                f"permissions.network (it declares {declared}); the tool's author adds '{host}' to "
+        missing = host if port in ports else f"{host}:{port}"
+        return (f"egress to {host}:{port} refused by sandboxd: tool {self.tool!r} does not declare {missing} in "
+                f"permissions.network (it declares {declared}); the tool's author adds '{missing}' to "
                 "permissions.network in its TOOL.md")
 
     def decided(self, host: str, port: int, ports: frozenset[int]) -> str:

@@ -192,7 +192,7 @@ def test_a_tool_reaches_only_its_declared_hosts_and_the_next_tool_in_the_same_sa
     assert first["fetched"][url("a.test", "/a-by-a")] == "200 hello from a.test:8080", first
     refusal = first["fetched"][url("b.test", "/b-by-a")]
     assert refusal.startswith("error EGRESS_REFUSED") and "tool 'only_a' does not declare b.test" in refusal, refusal
-    assert "permissions.network" in refusal and f"a.test:{WEB}" in refusal, refusal
+    assert f"adds 'b.test:{WEB}' to permissions.network" in refusal and f"declares a.test:{WEB})" in refusal, refusal
     assert second["fetched"][url("b.test", "/b-by-b")] == "200 hello from b.test:8080", second
     assert second["sandbox"] == first["sandbox"], "the two calls ran in different sandboxes: the test shows nothing"
     assert [r["path"] for r in requests(record)] == ["/a-by-a", "/b-by-b"]  # the refused one never left

@@ -85,7 +85,8 @@ def test_network_grants_name_the_entry_that_decided() -> None:
     assert network.grant("c.test", 8080, ports) == "c.test:8080"
     for host, port in (("b.test", 443), ("a.test", 8080), ("c.test", 443), ("evil.test", 443)):
         assert network.grant(host, port, ports) is None
-    assert "tool 'demo' does not declare evil.test" in network.refusal("evil.test", 443)
+    assert "tool 'demo' does not declare evil.test in" in network.refusal("evil.test", 443, ports)
+    assert "adds 'a.test:8080' to permissions.network" in network.refusal("a.test", 8080, ports)
     assert manifest('permissions:\n  network: ["*"]\n')[0].network_for("t").grant("any.where", 1, ports) == "*"
 
 
