@@ -43,16 +43,19 @@ def export(sock: socket.socket, params: dict[str, Any]) -> tuple[dict[str, Any],
     return result, archive()
 
 
-def import_(sock: socket.socket, archive: Iterable[bytes], params: dict[str, Any] | None = None) -> dict[str, Any]:
+def import_(sock: socket.socket, archive: Iterable[bytes], params: dict[str, Any] | None = None, *,
+            half_close: bool = True) -> dict[str, Any]:
     """Send an archive to import, half-close, and return the daemon's answer (RpcError when it refused it).
 
     A daemon that refuses the archive part-way answers and closes before it is all sent: the
-    answer is read then, and the rest never sent."""
+    answer is read then, and the rest never sent. ``half_close=False`` for TLS, which has none: the
+    daemon reads up to the archive's own end and answers then."""
     sock.sendall(strictjson.dumps_line(request(1, "users/import", params or {})))
     try:
         for chunk in archive:
             sock.sendall(chunk)
-        sock.shutdown(socket.SHUT_WR)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
     except (BrokenPipeError, ConnectionResetError):
         pass  # it answered already: read below
     return _answer(sock)[0]

@@ -10,6 +10,9 @@ The loop is every client's and every sandbox's: a connection handles at most
 thousands of requests in one write would otherwise hold it for their whole time), and a
 refused peer is answered after ``RefusedPeers.DELAY_S``, so a client retrying in a loop
 costs a few accepts a second, not thousands.
+
+A raw method (``users/export``, ``users/import``) asked as a connection's first line takes
+the connection's bytes over from then on (server/raw.py); its client's EOF ends its archive.
 """
 
 from __future__ import annotations

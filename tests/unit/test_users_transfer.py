@@ -258,3 +258,14 @@ def test_what_is_not_a_tar_is_refused(tmp_path: Path, junk: bytes) -> None:
     with pytest.raises(ArchiveRefused):
         import_user(config_at(tmp_path / "b"), reader(junk), NOBODY)
     assert left_of_user(tmp_path / "b") == []
+
+
+def test_the_import_ends_at_the_archives_end_without_waiting_for_eof(tmp_path: Path, exported: bytes) -> None:
+    """Over TLS there is no half-close: the import must answer once the archive's own end is read."""
+    source = io.BytesIO(exported + b"never read")
+
+    def read(n: int) -> bytes:
+        assert source.tell() < len(exported), "read past the archive's end, as if waiting for EOF"
+        return source.read(min(n, len(exported) - source.tell()))
+
+    assert import_user(config_at(tmp_path / "b"), read, NOBODY).files == 6

@@ -114,19 +114,18 @@ class TarReader:
             yield piece
 
     def _finish(self) -> None:
-        """After the first zero block: only zeros may follow (the second block, the record's padding)."""
-        after = 0
-        while True:
-            chunk = self._read(RECORD)
+        """After the first zero block: only zeros, up to the end of the record (the second block, the padding).
+
+        Nothing past the record is read, so the end needs no EOF from the sender: over TLS, which has
+        no half-close, the client sends the archive and waits for the answer."""
+        while left := -self.bytes_read % RECORD:
+            chunk = self._read(left)
             if not chunk:
-                return
+                return  # a tar not padded to its record is whole all the same
             self.bytes_read += len(chunk)
-            after += len(chunk)
             if chunk.count(0) != len(chunk):
                 raise ArchiveRefused(f"the end of the archive, after {self._current!r}",
                                      "data follows the end-of-archive marker")
-            if after > RECORD:
-                raise ArchiveRefused("the end of the archive", "more than a record of padding follows it")
 
 
 def _parse(block: bytes, after: str) -> tuple[str, bytes, int, int, str]:
