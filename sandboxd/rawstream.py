@@ -29,9 +29,11 @@ def _answer(sock: socket.socket, buffered: bytes = b"") -> tuple[dict[str, Any],
     return reply.get("result") or {}, rest
 
 
-def export(sock: socket.socket, params: dict[str, Any]) -> tuple[dict[str, Any], Iterator[bytes]]:
-    """Ask for an export: the daemon's answer, and the archive's bytes until it closes the connection."""
-    sock.sendall(strictjson.dumps_line(request(1, "users/export", params)))
+def export(sock: socket.socket, params: dict[str, Any],
+           method: str = "users/export") -> tuple[dict[str, Any], Iterator[bytes]]:
+    """Ask for an export (or a move's ``users/handover``): the daemon's answer, and the archive's bytes until it
+    closes the connection."""
+    sock.sendall(strictjson.dumps_line(request(1, method, params)))
     result, rest = _answer(sock)
 
     def archive() -> Iterator[bytes]:

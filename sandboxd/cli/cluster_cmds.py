@@ -11,6 +11,7 @@ import asyncio
 import json
 from typing import Any
 
+from sandboxd.cli import move_cmds
 from sandboxd.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail, user_argument
 from sandboxd.config import Config
 
@@ -38,6 +39,7 @@ def add_commands(subparsers: argparse._SubParsersAction, parent: argparse.Argume
     where.add_argument("user", type=user_argument, metavar="USER", help="the user (an email address)")
     where.add_argument("--json", action="store_true", help="print {user, node, epoch, state, to, address, up}")
     where.set_defaults(handler=users_where)
+    move_cmds.add_commands(node_commands, user_commands, parent)  # users move, nodes drain and undrain
 
 
 def _read(config: Config) -> Any:

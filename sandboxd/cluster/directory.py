@@ -105,6 +105,9 @@ class Directory:
     def node_key(self, name: str) -> bytes:
         return self.prefix + b"nodes/" + name.encode()
 
+    def drain_key(self, name: str) -> bytes:
+        return self.prefix + b"draining/" + name.encode()
+
     def user_key(self, user: str) -> bytes:
         return self.prefix + b"users/" + user.encode()
 
@@ -181,6 +184,33 @@ class Directory:
         succeeded, _ = await self._bounded(self._client.transaction(
             compare=[tx.create(key) == 0], success=[tx.put(key, node.dump(), lease)], failure=[]), "a node registration")
         return bool(succeeded)
+
+    async def draining(self, name: str) -> bool:
+        """Whether an operator drained host ``name`` (``sandboxd nodes drain``): it registers as ``draining``."""
+        got = await self._bounded(self._client.get(self.drain_key(name)), f"a read of {name}'s drain mark")
+        return got is not None
+
+    async def set_draining(self, name: str, draining: bool) -> NodeRecord | None:
+        """Drain host ``name`` (or make it active again): a mark of its own, which outlives the host's lease and
+        its restarts, and ``nodes/<name>`` rewritten under the host's lease so every view sees it now.
+        The host's record as it is now; None when it is not registered (the mark holds for its next start)."""
+        mark, key, tx = self.drain_key(name), self.node_key(name), self._client.transactions
+        if draining:
+            await self._bounded(self._client.put(mark, b"{}"), f"the drain mark of {name}")
+        else:
+            await self._bounded(self._client.delete(mark), f"the drain mark of {name}")
+        for _ in range(5):  # the host may re-register meanwhile: read again, write again
+            got = await self._bounded(self._client.get(key), f"a read of {name}'s record")
+            if got is None:
+                return None
+            old = NodeRecord.load(name, got.value)
+            new = NodeRecord(name, old.address, "draining" if draining else "active")
+            succeeded, _ = await self._bounded(self._client.transaction(
+                compare=[tx.mod(key) == got.mod_revision], success=[tx.put(key, new.dump(), got.lease)], failure=[]),
+                f"the change of {name}'s record")
+            if succeeded:
+                return new
+        raise DirectoryUnavailable(f"{name}'s record changed at every try; run the command again.")
 
     # -- a user's record -------------------------------------------------------------------------------
 

@@ -88,6 +88,8 @@ class Membership:
     async def _register(self) -> bool:
         """A new lease and the node's key under it, then a fresh read; False: the name is held by another lease."""
         sent_at = time.monotonic()
+        drained = await self.directory.draining(self.node.name)  # an operator's drain outlives a restart
+        self.node = NodeRecord(self.node.name, self.node.address, "draining" if drained else "active")
         lease = await self.directory.grant(self.lease_s)
         if not await self.directory.register(self.node, lease):
             await self.directory.revoke(lease)
@@ -148,5 +150,5 @@ class Membership:
                 log.warning("cluster_leave_failed", error=exc.message, detail="the node's key goes when its lease expires")
 
     def status(self) -> dict[str, object]:
-        return {"node": self.node.name, "state": self.node.state, "address": self.node.address,
+        return {"node": self.node.name, "state": (self.view.node(self.node.name) or self.node).state, "address": self.node.address,
                 "fenced": self.fence.fenced, "users": len(self.view.users_of(self.node.name))}

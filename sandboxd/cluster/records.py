@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
+from sandboxd.cluster.rendezvous import place
 from sandboxd.errors import NotServedHere
 
 NodeState = Literal["active", "draining"]
@@ -78,6 +79,20 @@ def _object(value: bytes) -> dict[str, Any]:
     return data
 
 
+def _placed_elsewhere(user: str, nodes: Mapping[str, NodeRecord], me: str) -> NotServedHere | None:
+    """A draining host claims no new user: ``elsewhere``, at the active host rendezvous hashing picks (None: none is)."""
+    mine = nodes.get(me)
+    if mine is None or mine.state != "draining":
+        return None
+    node = place(user, [name for name, record in nodes.items() if record.state == "active"])
+    if node is None:
+        return None  # no host takes new users: this one serves them rather than no one
+    address = nodes[node].address
+    return NotServedHere("elsewhere", f"this host ({me}) is draining and takes no new users; {user} goes to host "
+                                      f"{node}{f' at {address}' if address else ''}: send the call there.",
+                         node=node, address=address)
+
+
 # -- the gate ----------------------------------------------------------------------------------------
 
 CLAIM = "claim"  # the user has no record: this host claims them (create-if-absent) before it serves
@@ -91,7 +106,7 @@ def decide(user: str, record: UserRecord | None, nodes: Mapping[str, NodeRecord]
         return NotServedHere("fenced", f"this host ({me}) lost its lease in the cluster's directory and starts no "
                                        "calls until it has registered again; retry in a few seconds or on another host.")
     if record is None:
-        return CLAIM
+        return _placed_elsewhere(user, nodes, me) or CLAIM
     if record.state == "moving":
         return NotServedHere("moving", f"{user} is being moved to another host; retry in {MOVING_RETRY_MS} ms.",
                              retry_after_ms=MOVING_RETRY_MS)

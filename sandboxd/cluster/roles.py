@@ -25,6 +25,8 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType({
     "sandbox/status": frozenset({ROUTER, OPERATOR}),
     # A user's data leaves a host only to an operator (a backup) or to the host a move sends it to.
     "users/export": frozenset({NODE, OPERATOR}),
+    # A move's target pulls the user from the source (server/moves.py); the rest of a move is the operator's.
+    "users/handover": frozenset({NODE}),
 })
 # Every other users/* method (import, move, where): the operator's alone.
 _OPERATOR_PREFIX = "users/"

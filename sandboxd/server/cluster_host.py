@@ -19,6 +19,7 @@ from sandboxd.cluster.records import NodeRecord, UserRecord, decide
 from sandboxd.config import Config
 from sandboxd.errors import BackendUnavailable, ConfigError, NotServedHere
 from sandboxd.logging import get_logger
+from sandboxd.server.moves import Moves
 
 if TYPE_CHECKING:
     from sandboxd.cluster.membership import Membership
@@ -39,6 +40,7 @@ class Daemon(Protocol):
 
     calls: Calls
     pool: Pool
+    config: Config
 
 
 class ClusterHost:
@@ -58,6 +60,10 @@ class ClusterHost:
                                                  NodeRecord(cluster.node, cluster.dial_address()), cluster.lease_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._served: dict[tuple[str, int], list[float]] = {}  # (user, epoch) → [first start, last end, calls]
+        self.keep_moved_s = cluster.keep_moved_s
+        # A move's two ends (users/handover, users/pull ...): server/moves.py.
+        self.moves = Moves(self.me, self.view, self.directory, lambda: daemon.config,
+                           lambda: daemon.calls.holds)
 
     @classmethod
     def of(cls, config: Config, daemon: Daemon) -> ClusterHost | None:
@@ -84,7 +90,8 @@ class ClusterHost:
             await asyncio.sleep(0.5)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.view.run()), loop.create_task(self.membership.run()),
-                       loop.create_task(self._log_served_every(SERVED_EVERY_S))]
+                       loop.create_task(self._log_served_every(SERVED_EVERY_S)),
+                       loop.create_task(self.moves.sweep(self.keep_moved_s))]
 
     async def stop(self) -> None:
         """Stop following the directory and revoke the lease: the node's key goes now, not lease_s later."""
@@ -148,6 +155,7 @@ class ClusterHost:
 
     def _user_changed(self, user: str, old: UserRecord | None, new: UserRecord | None) -> None:
         """A user who lived here lives elsewhere now (moved): their calls stop and their sandboxes go."""
+        self.moves.user_changed(user, old, new)
         if old is None or old.node != self.me or (new is not None and new.node == self.me):
             return
         killed = sum(ctx.kill(LEFT_KILL) for ctx in list(self._daemon.calls.in_flight)

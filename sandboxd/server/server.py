@@ -98,7 +98,7 @@ class Server:
                                  on_call=self.metrics.observe_call, gate=self.cluster)
         self.stopping = False
         self.calls = Calls(self.runner, self.catalog, stopping=lambda: self.stopping)
-        self.transfer = UserTransfer(lambda: self.config, self.calls.holds)  # users/export, users/import
+        self.transfer = UserTransfer(lambda: self.config, self.calls.holds, self.cluster)  # users/export, import, move
         self.watch = ToolWatch(self.catalog)  # connections that asked to hear of tool changes
         # The edge: who may connect, and who is connected.
         self.peer_policy = PeerPolicy.from_config(config)

@@ -37,15 +37,26 @@ class Peer(Protocol):
     peer_uid: int | None  # the unix socket's peer (SO_PEERCRED); None on the cluster listener, whose roles decide
 
 
+class Moves(Protocol):
+    def methods(self, peer: Peer) -> Mapping[str, Method]: ...
+
+
+class Cluster(Protocol):
+    @property
+    def moves(self) -> Moves: ...
+
+
 class UserTransfer:
-    def __init__(self, config: Callable[[], Config], holds: UserHolds) -> None:
+    def __init__(self, config: Callable[[], Config], holds: UserHolds, cluster: Cluster | None = None) -> None:
         self._config = config
         self._holds = holds
+        self._cluster = cluster  # with cluster:, a move's methods too (server/moves.py): a user's data between hosts
         self._importing: set[str] = set()
 
     def methods(self, peer: Peer) -> Mapping[str, Method]:
         return {"users/export": lambda _id, params: self._raw(peer, "users/export", self._export, params),
-                "users/import": lambda _id, params: self._raw(peer, "users/import", self._import, params)}
+                "users/import": lambda _id, params: self._raw(peer, "users/import", self._import, params),
+                **(self._cluster.moves.methods(peer) if self._cluster is not None else {})}
 
     def _raw(self, peer: Peer, method: str, work: Callable[[RawChannel, dict[str, Any]], Any], params: Any) -> Raw:
         refusal = self.refusal(peer, method)

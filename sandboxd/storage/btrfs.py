@@ -141,3 +141,11 @@ def snapshot(parent_fd: int, source_fd: int, name: str) -> None:
 def delete_subvolume(parent_fd: int, name: str) -> None:
     """Remove the subvolume ``name`` in ``parent_fd`` with what it holds (read-only or not); needs CAP_SYS_ADMIN."""
     fcntl.ioctl(parent_fd, _IOC_SNAP_DESTROY, bytearray(struct.pack("<q4088s", 0, name.encode())))
+
+
+_IOC_SUBVOL_SETFLAGS = 0x4008941A  # _IOW(26, __u64)
+
+
+def set_read_only(fd: int) -> None:
+    """Make the subvolume ``fd`` read-only (no write reaches it, by anyone); needs CAP_SYS_ADMIN."""
+    fcntl.ioctl(fd, _IOC_SUBVOL_SETFLAGS, struct.pack("<Q", _SUBVOL_RDONLY))

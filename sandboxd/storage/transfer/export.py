@@ -186,7 +186,8 @@ def _copy_email(config: Config, user: str, copy: Path, snap: Snapshot) -> Entry 
         return None
     if not stat.S_ISREG(before.st_mode):
         raise ExportFailed(f"{db} is not a regular file (a link?); put the user's email database back and export again")
-    source = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    # Asked again (email_changed) and closed from other worker threads than the one that copies.
+    source = sqlite3.connect(f"file:{db}?mode=ro", uri=True, check_same_thread=False)
     try:
         version = int(source.execute("PRAGMA data_version").fetchone()[0])
         with sqlite3.connect(copy) as target:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from sandboxd.config import AUTO_SANDBOX_ID, Config, email_db_path
 from sandboxd.storage import btrfs
+from sandboxd.storage.moved import remove_folder
 from sandboxd.storage.provision import Area, areas, new_user_folder
 from sandboxd.storage.transfer.manifest import (EMAIL_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ArchiveRefused, Entry,
                                                 Manifest, parse_manifest)
@@ -180,20 +181,8 @@ def _make_staging(config: Config, user: str, ownership: Ownership) -> dict[str, 
 
 
 def _clear(root: Path, name: str) -> None:
-    path = root / name
-    if not os.path.lexists(path):
-        return
-    root_fd = os.open(root, _DIR)
-    try:
-        if os.geteuid() == 0 and btrfs.filesystem_id(root_fd) is not None:
-            try:
-                btrfs.delete_subvolume(root_fd, name)
-                return
-            except OSError:
-                pass
-        shutil.rmtree(name, dir_fd=root_fd)
-    finally:
-        os.close(root_fd)
+    if os.path.lexists(root / name):
+        remove_folder(root, name)
 
 
 class _Folders:
