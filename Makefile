@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCAL  := .sandboxd
 
-.PHONY: help setup docker gvisor test-gvisor image swarm-images serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients
+.PHONY: help setup docker gvisor test-gvisor image swarm-images serve test typecheck test-unit test-shim test-e2e bench soak clean install uninstall shim-deps clients test-clients test-clients-router
 
 help:
 	@echo "make serve   set up, build the runner image and start the daemon (data in $(LOCAL)/data; SOCKET=PATH)"
@@ -103,6 +103,10 @@ clients: $(foreach dir,$(CLIENT_DIRS),$(dir)/dist/index.js) clients/mcp-hosts/no
 CLIENT_TESTS = cd clients/typescript && npm test && cd ../pi && npm test && cd ../mcp-hosts && npm test
 test-clients: setup image clients
 	$(CLIENT_TESTS)
+
+# The same tests with each daemon replaced by `sandboxd router` in front of two hosts (tests/cluster/fleet.py).
+test-clients-router: setup image clients
+	export CLIENTS_VIA_ROUTER=1; $(CLIENT_TESTS)
 
 # What the process backend needs when there is no Docker to build the image (docs/tool-development.md).
 shim-deps:

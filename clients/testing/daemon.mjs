@@ -32,6 +32,10 @@ function pingOnce(socketPath) {
   });
 }
 
+// CLIENTS_VIA_ROUTER=1: each Daemon is a router in front of two hosts (tests/cluster/fleet.py), USER's home
+// the first; `socket` is the router's, so every client under test speaks to the router (docs/scale.md).
+const ROUTER = process.env.CLIENTS_VIA_ROUTER === "1";
+
 export class Daemon {
   constructor({ config = "" } = {}) {
     this.tmp = mkdtempSync(join(tmpdir(), "sbd-node-"));
@@ -47,6 +51,7 @@ export class Daemon {
   async start(timeoutMs = 30_000) {
     const python = join(REPO, ".venv", "bin", "python");
     if (!existsSync(python)) throw new Error(`${python} is missing; run \`make setup\` first`);
+    if (ROUTER) return this.startFleet(python, timeoutMs * 3);
     const log = openSync(this.logPath, "a");
     this.proc = spawn(
       python,
@@ -66,6 +71,36 @@ export class Daemon {
     throw new Error(`daemon did not listen within ${timeoutMs} ms:\n${this.log()}`);
   }
 
+  async startFleet(python, timeoutMs) {
+    if (this.fleet !== undefined) return this.restartRouter(timeoutMs); // after kill(): the router comes back
+    const log = openSync(this.logPath, "a");
+    this.proc = spawn(python, ["-m", "tests.cluster.fleet", "--config", this.configPath, "--tools", TOOLS, "--user", USER],
+      { cwd: REPO, stdio: ["ignore", "pipe", log] });
+    this.exited = new Promise((resolveExit) => this.proc.once("exit", (code, signal) => resolveExit(code ?? signal)));
+    this.fleetLines = [];
+    let out = "";
+    this.proc.stdout.on("data", (chunk) => {
+      out += chunk;
+      const lines = out.split("\n");
+      out = lines.pop();
+      this.fleetLines.push(...lines.map((line) => JSON.parse(line)));
+    });
+    const exited = this.exited.then(() => { throw new Error(`the fleet exited:\n${this.log()}`); });
+    this.fleet = await Promise.race([waitFor(() => this.fleetLines[0], "the fleet's start", timeoutMs), exited]);
+    this.socket = this.fleet.socket;
+    this.data = this.fleet.hosts.a.data;
+    this.configPath = this.fleet.hosts.a.config;
+    return this;
+  }
+
+  /** SIGHUP: the fleet stops the router (or finds it killed), starts it again, and says so in a line. */
+  async restartRouter(timeoutMs = 60_000) {
+    const seen = this.fleetLines.length;
+    this.proc.kill("SIGHUP");
+    await waitFor(() => this.fleetLines.length > seen, "the router's restart", timeoutMs);
+    return this;
+  }
+
   async stop(timeoutMs = 40_000) {
     const proc = this.proc;
     if (proc === null || proc.exitCode !== null || proc.signalCode !== null) return;
@@ -78,12 +113,17 @@ export class Daemon {
 
   /** Die the way a crash does: no answers, no cleanup (the next start removes the orphans). */
   async kill() {
+    if (ROUTER) {
+      this.proc.kill("SIGUSR1"); // the fleet SIGKILLs its router
+      return waitFor(async () => !(await pingOnce(this.socket)), "the router gone", 20_000);
+    }
     this.proc.kill("SIGKILL");
     await this.exited;
   }
 
   /** Stop, then start again on the same socket and data path. */
   async restart() {
+    if (ROUTER) return this.restartRouter();
     await this.stop();
     await this.start();
   }
@@ -94,7 +134,8 @@ export class Daemon {
 
   log() {
     try {
-      return readFileSync(this.logPath, "utf8").slice(-8000);
+      const router = this.fleet ? `\n-- router --\n${readFileSync(this.fleet.router_log, "utf8").slice(-4000)}` : "";
+      return readFileSync(this.logPath, "utf8").slice(-8000) + router;
     } catch {
       return "(no log)";
     }
@@ -102,6 +143,10 @@ export class Daemon {
 
   /** This daemon's containers, by the instance label the daemon gives them (as tests/e2e do). */
   containers() {
+    if (ROUTER) {
+      return Object.values(this.fleet?.hosts ?? {}).flatMap((host) => execFileSync("docker",
+        ["ps", "-aq", "--filter", `label=org.sandboxd.instance=${host.instance}`], { encoding: "utf8" }).split("\n").filter(Boolean));
+    }
     const python = join(REPO, ".venv", "bin", "python");
     const instance = execFileSync(python, ["-c",
       "import sys; from sandboxd.config import load_config; from sandboxd.server.server import instance_id; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from sandboxd import __version__
 from sandboxd.config import Config
@@ -48,18 +48,39 @@ async def ping(view: Directory, hosts: Hosts) -> dict[str, Any]:
 
 async def status(config: Config, view: Directory, hosts: Hosts, *, connections: int, in_flight: int,
                  started_at: float) -> dict[str, Any]:
-    """The router's own figures, the fleet's limits (its hosts share one configuration) and every host's status."""
+    """A daemon's status for the whole fleet, so clients that read one (``pool.users``, ``limits.allowedEnv``)
+    read this alike: the hosts' pools and call counts summed (a user is on one host), their limits (one
+    configuration fleet-wide); beside it, the router's own figures and every host's status by name."""
     answered, silent = await ask_all("sandbox/status", view, hosts)
     states = {name: host.state for name, host in view.nodes().items()}
+    by_host = {node: result for node, (result, _) in sorted(answered.items())}
+    first: dict[str, Any] = next(iter(by_host.values()), {})
     return {
         "version": __version__,
         "protocol": 1,
         "router": True,
+        "backend": first.get("backend"),
+        "transport": first.get("transport"),
         "uptimeS": round(time.monotonic() - started_at, 1),
+        "stopping": False,
         "connections": connections,
         "callsInFlight": in_flight,
-        "limits": {"defaultTimeoutMs": config.calls.default_timeout_ms, "maxTimeoutMs": config.calls.max_timeout_ms,
-                   "allowedEnv": list(config.calls.allowed_env)},
-        "hosts": {node: {"state": states.get(node), **result} for node, (result, _) in sorted(answered.items())},
+        "calls": _summed(host.get("calls", {}) for host in by_host.values()),
+        "pool": {"totals": _summed(host.get("pool", {}).get("totals", {}) for host in by_host.values()),
+                 "users": {user: row for host in by_host.values() for user, row in host.get("pool", {}).get("users", {}).items()},
+                 "counters": _summed(host.get("pool", {}).get("counters", {}) for host in by_host.values())},
+        "limits": first.get("limits") or {"defaultTimeoutMs": config.calls.default_timeout_ms,
+                                          "maxTimeoutMs": config.calls.max_timeout_ms,
+                                          "allowedEnv": list(config.calls.allowed_env)},
+        "hosts": {node: {"state": states.get(node), **result} for node, result in by_host.items()},
         "unanswered": silent + sorted(name for name, host in view.nodes().items() if host.address is None),
     }
+
+
+def _summed(tables: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {}
+    for table in tables:
+        for key, value in table.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total

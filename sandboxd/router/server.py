@@ -63,7 +63,7 @@ class Router:
         self.peer_policy = PeerPolicy.from_config(config)
         self.refused_peers = RefusedPeers()
         self.connections: set[Connection] = set()
-        self.in_flight = 0
+        self.forwarding: set[Forward] = set()  # the calls on their way, cancelled at shutdown
         self.started_at = time.monotonic()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -84,10 +84,22 @@ class Router:
                                             "or run another router beside it.")
         return Connection(self)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self.forwarding)
+
     async def close(self) -> None:
+        """Stop listening; cancel the calls on their way (each answers ``cancelled``, as a daemon's shutdown
+        answers them), waiting up to the cancel grace and ``SLACK_S``; then close every connection."""
         if self._server is not None:
             self._server.close()
             self.config.socket.unlink(missing_ok=True)
+        for forward in list(self.forwarding):
+            forward.cancel("the router is shutting down")
+        deadline = time.monotonic() + self.config.calls.cancel_grace_ms / 1000 + SLACK_S
+        while self.forwarding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the last answers' writes
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
@@ -142,7 +154,7 @@ class Router:
         return Later(self._forwarded(user, sending), forward)
 
     async def _forwarded(self, user: str, sending: Sending) -> dict[str, Any]:
-        self.in_flight += 1
+        self.forwarding.add(sending.forward)
         started = time.monotonic()
         try:
             return _result(await routed(user, sending, self.view, self.hosts))
@@ -150,7 +162,7 @@ class Router:
             return {"content": [{"type": "text", "text": f"cancelled before it reached a host: {cancelled}"}],
                     "isError": True, "status": "cancelled", "durationMs": round((time.monotonic() - started) * 1000)}
         finally:
-            self.in_flight -= 1
+            self.forwarding.discard(sending.forward)
 
     def _list(self, _id: Any, params: Any) -> Later:
         if params is not None:

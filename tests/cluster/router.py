@@ -3,6 +3,7 @@ router's tests share: two hosts (``node:a``, ``node:b``) of one test etcd, and a
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -20,17 +21,23 @@ from tests.cluster.etcd import Etcd, free_port
 from tests.e2e.conftest import REPO, Daemon
 
 
-def host_config(node: str, etcd_url: str, cert: Cert, *, lease_s: int = 2, extra: str = "") -> tuple[str, str]:
-    """(config, address) of a host ``node`` whose cluster listener is on a free 127.0.0.1 port."""
+def host_config(node: str, etcd_url: str, cert: Cert, *, lease_s: int = 2, extra: str = "",
+                base: str = "pool:\n  min_idle: 0\n") -> tuple[str, str]:
+    """(config, address) of a host ``node`` whose cluster listener is on a free 127.0.0.1 port: ``base`` (the
+    pool's settings), ``extra``, then its cluster section."""
     address = f"127.0.0.1:{free_port()}"
-    return (f"pool:\n  min_idle: 0\n{extra}cluster:\n  node: {node}\n  etcd: ['{etcd_url}']\n  lease_s: {lease_s}\n"
+    return (f"{base}{extra}cluster:\n  node: {node}\n  etcd: ['{etcd_url}']\n  lease_s: {lease_s}\n"
             f"  listen: {address}\n" + cert.tls_yaml()), address
 
 
-def start_host(tmp: Path, node: str, etcd_url: str, cert: Cert, **kwargs: Any) -> Daemon:
+def start_host(tmp: Path, node: str, etcd_url: str, cert: Cert, *, tools: Path | None = None,
+               **kwargs: Any) -> Daemon:
+    """A host ``node`` started; ``tools``: global tools copied into its data path besides the tests' own."""
     config, address = host_config(node, etcd_url, cert, **kwargs)
     host = Daemon(tmp / f"host-{node}", config=config)
     host.address = address  # type: ignore[attr-defined]
+    if tools is not None:
+        shutil.copytree(tools, host.data / "tools", dirs_exist_ok=True)
     return host.start()
 
 
@@ -49,7 +56,9 @@ class Router:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "sandboxd", "router", "--config", str(self.config_path),
-                 "--socket", str(self.socket)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                 "--socket", str(self.socket)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                # Only what the test says: a SANDBOXD_* of the caller's would change the router's config.
+                env={key: value for key, value in os.environ.items() if not key.startswith("SANDBOXD_")})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
