@@ -234,7 +234,18 @@ def test_a_move_that_fails_leaves_the_user_served_on_a(cluster: Cluster) -> None
         _served_on_a(cluster, a, USER, epoch)
         assert not (b.data / USER).exists() and not (b.data / "email" / USER).exists()
 
-        # 2. The target refuses: the user already has data there (kept: a refused import removes nothing of it).
+        # 2. A call in flight outlives --wait: the move gives up at pull, and the call ends on a, answered.
+        answered: list[Any] = []
+        holder = threading.Thread(target=lambda: answered.append(_sleep(a, USER, 6000)))
+        holder.start()
+        wait_until(lambda: _in_flight(a) == 1, 30, "the sleeper's call in flight on a")
+        slow = cluster.cli("users", "move", USER, "--to", "b", "--wait", "1")
+        assert slow.returncode == 1 and "step pull" in slow.stderr and "still ran after 1 s" in slow.stderr, slow.stderr
+        holder.join(60)
+        assert answered == ["ok"]
+        _served_on_a(cluster, a, USER, epoch)
+
+        # 3. The target refuses: the user already has data there (kept: a refused import removes nothing of it).
         writer.close()
         (b.data / USER).mkdir()
         (b.data / USER / "stale").write_text("left by hand")
@@ -244,6 +255,16 @@ def test_a_move_that_fails_leaves_the_user_served_on_a(cluster: Cluster) -> None
         _served_on_a(cluster, a, USER, epoch)
         assert (b.data / USER / "stale").read_text() == "left by hand"
         assert (a.data / USER / "big").stat().st_size == 96 * MIB
+
+
+def _sleep(host: Daemon, user: str, ms: int) -> str:
+    with host.client() as client:
+        return str(client.call_tool(user, "sleeper", {"ms": ms})["status"])
+
+
+def _in_flight(host: Daemon) -> int:
+    with host.client() as client:
+        return int(client.request("sandbox/status")["callsInFlight"])
 
 
 def _served_on_a(cluster: Cluster, a: Daemon, user: str, epoch: int) -> None:
