@@ -6,7 +6,7 @@ and an email database in WAL mode whose writer (the test, standing in for the ma
 committed rows un-checkpointed in the WAL. Exported from A with the CLI, imported into B: every
 checksum and every row match, the tool runs on B, and B's kernel holds the user at the same
 quota (a 200-MiB write stops at it). The hostile archives go through the CLI against one daemon,
-each refused with exit 1 naming the entry, nothing of the user left. 85 s at a load of 16 on 2 cores.
+each refused with exit 1 naming the entry, nothing of the user left. 67 s at a load of 11 on 2 cores.
 """
 
 from __future__ import annotations
