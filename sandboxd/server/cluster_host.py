@@ -128,11 +128,13 @@ class ClusterHost:
         return epoch
 
     def serves(self, user: str) -> bool:
-        """Whether a call of ``user`` would be served here now (tools/list warms their sandbox only then)."""
+        """Whether a call of ``user`` would be served here now, a new user's claim included (tools/list warms
+        their sandbox only then)."""
         try:
-            return self.admit(user) is not None
+            self.admit(user)
         except NotServedHere:
             return False
+        return True
 
     def served(self, user: str, epoch: int, start: float) -> None:
         """The per-host call log: a call of ``user`` at ``epoch`` ran here from ``start`` until now (wall clock)."""

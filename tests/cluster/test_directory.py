@@ -152,6 +152,8 @@ def test_etcd_stopped_fences_both_hosts_and_they_serve_again_after(make_hosts: A
         for host, user in users.items():
             wait_until(lambda: _fenced(host, user), LEASE_S + 1 - (time.monotonic() - stopped), f"{user}'s host fenced")
         fenced_after = time.monotonic() - stopped
+        with a.client() as client:
+            assert client.request("sandbox/status")["cluster"]["fenced"] is True
     finally:
         etcd.resume()
     resumed = time.monotonic()
