@@ -36,13 +36,14 @@ from bench.permissions import permissions_cost
 from bench.neighbours import noisy_neighbours
 from bench.cluster import cluster_cost
 from bench.quota import quota_cost
+from bench.router import router_cost
 from bench.transfer import transfer_cost
 from bench.runtimes import compare_runtimes
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "email", "permissions", "transfer",
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "router", "email", "permissions", "transfer",
             "instructions")
 # The sections measured on the main benchmark daemon: without any of them, it is not started.
 DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         if "permissions" not in args.skip:
             results["permissions"] = permissions_cost(root / "permissions", run_id, args.image,
                                                       calls=min(args.calls, 2000), say=say)
+        if "router" not in args.skip:
+            results["router"] = router_cost(root / "router", run_id, args.image, calls=min(args.calls, 2000), say=say)
         if "transfer" not in args.skip:
             results["transfer"] = transfer_cost(root / "transfer", mib=256 if args.quick else 1024, say=say)
         if "overhead" not in args.skip:

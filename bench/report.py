@@ -216,6 +216,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _quota_rows(r.get("quota", {}))
     out += _transfer_rows(r.get("transfer", {}))
     out += _cluster_rows(r.get("cluster", {}))
+    out += _router_rows(r.get("router", {}))
     out += _email_rows(r.get("email", {}))
     out += _permissions_rows(r.get("permissions", {}))
     over = r.get("overhead", {})
@@ -354,6 +355,22 @@ def _email_rows(e: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     second = e["second_access"]
     out.append(("… a user's first call of a second access (a start), p50", _ms(second["first_of_second_access"].get("p50_ms")),
                 f"their warm call {_ms(second['warm'].get('p50_ms'))}", "", "", "—"))
+    return out
+
+
+def _router_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """A warm call through `sandboxd router` beside the same call to its host directly (bench/router.py)."""
+    if "skipped" in r:
+        return [("a warm call through the router", "skipped", r["skipped"], "", "", "—")]
+    if not r.get("router"):
+        return []
+    out = []
+    for q, goal in (("p50", 1.5), ("p99", None)):
+        mine, base = r["router"].get(f"{q}_ms"), r["direct"].get(f"{q}_ms")
+        x = ratio(mine, base)
+        out.append((f"a warm call through the router, {q}", _ms(mine), f"its host directly {_ms(base)}", _x(x),
+                    f"≤ {goal}× direct" if goal else "", _check(x is not None and x <= goal) if goal else "—"))
+    out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
     return out
 
 
