@@ -122,7 +122,16 @@ def test_under_gvisor_a_pid_outside_the_container_is_not_signalled_nor_warned_ab
     engine = Engine(pid=sleeper.pid)
     backend_on(engine, gvisor=True)._remove(CONTAINER)
     assert sleeper.poll() is None and not warnings
-    assert engine.calls == ["inspect", "remove"]
+    assert engine.calls == ["inspect", "wait", "remove"]  # its Sentry is dead: the exit first (next test)
+
+
+def test_under_gvisor_a_sentry_that_died_by_itself_has_its_exit_seen_before_the_removal() -> None:
+    # The removal's kill must not reach the shim while it reaps the stubs: it stalled the engine 66-300 s (backend.py).
+    done = subprocess.Popen(["true"])
+    done.wait()  # the engine still says running, with the pid of a Sentry that has exited
+    engine = Engine(pid=done.pid)
+    backend_on(engine, gvisor=True)._remove(CONTAINER)
+    assert engine.calls == ["inspect", "wait", "remove"]
 
 
 @pytest.mark.parametrize("gvisor", [False, True])

@@ -432,7 +432,12 @@ class DockerBackend:
 
     def _kill_sentry(self, container_id: str) -> None:
         """End a condemned gVisor sandbox by a SIGKILL to its Sentry on the host, its CPU quota lifted
-        first (sentry.py says why).
+        first (sentry.py says why); then wait for the engine to see it exit before the removal.
+
+        Also for a Sentry that died by itself (at its pids limit, say): else the removal's kill reaches
+        the shim while it reaps the ptrace stubs, and holds the init's lock until its `runsc kill` exit
+        is reported, behind each stub's exit (1 s apiece once the exit queue, which waits on that lock,
+        is full). The engine kept such a sandbox 66-300 s (docs/performance.md).
 
         Needs root (or CAP_KILL, for the kill alone), else the privileged helper does both. Without
         either the engine's kill goes through the Sentry, which takes 10 s or more for thousands of tasks.
@@ -445,9 +450,9 @@ class DockerBackend:
         outcome, problem = kill_sentry(pid, container_id), None
         if outcome is Outcome.NOT_PERMITTED and self._helper is not None:
             outcome, problem = kill_through_helper(self._helper, container_id)
-        if outcome is Outcome.KILLED:
+        if outcome is not Outcome.NOT_PERMITTED:  # killed, or dead already: its exit first, then the removal
             self._wait_exit(container_id)
-        elif outcome is Outcome.NOT_ITS:  # exited as it was condemned (its pid reused)
+        if outcome is Outcome.NOT_ITS:  # exited as it was condemned (its pid reused)
             log.info("sandbox_sentry_not_seen", container=container_id[:12], pid=pid)
         elif outcome is Outcome.NOT_PERMITTED and not self._sentry_warned:
             self._sentry_warned = True
