@@ -370,6 +370,10 @@ def _router_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]
         x = ratio(mine, base)
         out.append((f"a warm call through the router, {q}", _ms(mine), f"its host directly {_ms(base)}", _x(x),
                     f"≤ {goal}× direct" if goal else "", _check(x is not None and x <= goal) if goal else "—"))
+    for q in ("p50", "p99") if r.get("tls") else ():
+        mine, base = r["router"].get(f"{q}_ms"), r["tls"].get(f"{q}_ms")
+        out.append((f"… the router beside its host's TLS listener, {q}", _ms(mine), f"the listener {_ms(base)}",
+                    _x(ratio(mine, base)), "", "—"))
     out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
     return out
 
