@@ -14,6 +14,7 @@ from sandboxd.router.forward import Hosts
 from sandboxd.router.routing import Directory
 
 FLEET_TIMEOUT_S = 2.0
+EMPTY_TOTALS = {"starting": 0, "idle": 0, "busy": 0, "stopping": 0, "waiting": 0}  # when no host answered
 
 
 async def ask_all(method: str, view: Directory, hosts: Hosts) -> tuple[dict[str, Any], list[str]]:
@@ -66,15 +67,21 @@ async def status(config: Config, view: Directory, hosts: Hosts, *, connections: 
         "connections": connections,
         "callsInFlight": in_flight,
         "calls": _summed(host.get("calls", {}) for host in by_host.values()),
-        "pool": {"totals": _summed(host.get("pool", {}).get("totals", {}) for host in by_host.values()),
+        "pool": {"totals": _summed([EMPTY_TOTALS, *(host.get("pool", {}).get("totals", {}) for host in by_host.values())]),
                  "users": {user: row for host in by_host.values() for user, row in host.get("pool", {}).get("users", {}).items()},
                  "counters": _summed(host.get("pool", {}).get("counters", {}) for host in by_host.values())},
-        "limits": first.get("limits") or {"defaultTimeoutMs": config.calls.default_timeout_ms,
-                                          "maxTimeoutMs": config.calls.max_timeout_ms,
-                                          "allowedEnv": list(config.calls.allowed_env)},
+        "limits": first.get("limits") or _own_limits(config),
         "hosts": {node: {"state": states.get(node), **result} for node, result in by_host.items()},
         "unanswered": silent + sorted(name for name, host in view.nodes().items() if host.address is None),
     }
+
+
+def _own_limits(config: Config) -> dict[str, Any]:
+    """The limits of the router's own configuration, when no host answered (a daemon's shape, server/server.py)."""
+    pool, calls = config.pool, config.calls
+    return {"maxPerUser": pool.max_per_user, "maxTotal": pool.max_total, "minIdle": pool.min_idle,
+            "idleTtlS": pool.idle_ttl_s, "defaultTimeoutMs": calls.default_timeout_ms,
+            "maxTimeoutMs": calls.max_timeout_ms, "allowedEnv": list(calls.allowed_env)}
 
 
 def _summed(tables: Iterable[dict[str, Any]]) -> dict[str, Any]:

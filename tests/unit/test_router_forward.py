@@ -253,3 +253,39 @@ def test_a_caller_that_leaves_frees_its_slot_and_cancels_upstream(short_dir: Pat
         assert hosts["a"].seen[-1]["method"] == "notifications/cancelled"
 
     run(short_dir, {"a": hold}, scenario)
+
+
+LIMITS = {"maxPerUser": 4, "maxTotal": 32, "minIdle": 1, "idleTtlS": 300, "defaultTimeoutMs": 1, "maxTimeoutMs": 2,
+          "allowedEnv": ["A"]}
+
+
+def test_the_fleets_status_reads_as_one_daemons(short_dir: Path) -> None:
+    from sandboxd.cli.client_cmds import format_status
+    from sandboxd.config import load_config
+    from sandboxd.router import fleet
+
+    def status_of(user: str, busy: int) -> Script:
+        async def answer(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+            row = {"starting": 0, "idle": 1, "busy": busy, "stopping": 0, "waiting": 0}
+            writer.write(encode(response(message["id"], {
+                "version": "x", "backend": "docker", "calls": {"ok": 2}, "limits": LIMITS,
+                "pool": {"totals": row, "users": {user: row}, "counters": {"started": 1}}})))
+        return answer
+
+    async def silent(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        return None
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        config = load_config(environ={})
+        status = await fleet.status(config, view, upstreams, connections=1, in_flight=0, started_at=0.0)
+        assert status["pool"]["users"] == {"a@x.io": {"starting": 0, "idle": 1, "busy": 0, "stopping": 0, "waiting": 0},
+                                           "b@x.io": {"starting": 0, "idle": 1, "busy": 2, "stopping": 0, "waiting": 0}}
+        assert status["pool"]["totals"]["busy"] == 2 and status["calls"] == {"ok": 4}
+        assert status["limits"] == LIMITS and status["unanswered"] == ["c"]  # silent past 2 s
+        assert set(status["hosts"]) == {"a", "b"}
+        assert "a@x.io: 1 idle" in format_status(status)  # `sandboxd status` reads it as a daemon's
+        view.hosts.clear()
+        assert "0 idle" in format_status(await fleet.status(config, view, upstreams, connections=1, in_flight=0,
+                                                            started_at=0.0))
+
+    run(short_dir, {"a": status_of("a@x.io", 0), "b": status_of("b@x.io", 2), "c": silent}, scenario)
