@@ -25,6 +25,7 @@ from sandboxd.router.upstream import Dial, HostUnreachable, UpstreamConnection, 
 from sandboxd.router.watch import Watches, watched_user
 from sandboxd.server.connection import Connection, RefusedPeers
 from sandboxd.server.rpc import Later, Method
+from sandboxd.service.fds import raise_nofile_limit
 from sandboxd.service.peercred import PeerPolicy
 from sandboxd.unixsocket import bind_unix_socket
 from sandboxd.users import check_user
@@ -33,6 +34,7 @@ from sandboxd.wire import PROGRESS, TOOLS_LIST_CHANGED, notification
 log = get_logger("sandboxd.router")
 
 MAX_CLIENTS = 4096  # connections served at once; more are refused (each holds a descriptor)
+RESERVED_FDS = 128  # kept from the client connections: the hosts' pools, etcd, the refused peers held a moment
 SLACK_S = 5.0  # past a call's deadline, its grace and its queueing, before a silent host's call is given up
 
 
@@ -56,8 +58,9 @@ def _rewrite(params: Any, upstream_id: int) -> Any:
 
 
 class Router:
-    def __init__(self, config: Config, view: Directory, dial: Dial) -> None:
+    def __init__(self, config: Config, view: Directory, dial: Dial, *, max_clients: int = MAX_CLIENTS) -> None:
         self.config, self.view = config, view
+        self.max_clients = max_clients  # past it a connection is answered -32003 and closed, not left to EMFILE
         self.hosts = Hosts(dial, self._notified, self._lost)
         self.watches = Watches()
         self.peer_policy = PeerPolicy.from_config(config)
@@ -79,9 +82,9 @@ class Router:
                  peer_check=self.peer_policy.restricted)
 
     def _connection(self) -> Connection:
-        if len(self.connections) >= MAX_CLIENTS:
-            return Connection(self, refusal=f"the router serves {MAX_CLIENTS} connections at once; close idle ones "
-                                            "or run another router beside it.")
+        if len(self.connections) >= self.max_clients:
+            return Connection(self, refusal=f"the router serves {self.max_clients} connections at once; close idle "
+                                            "ones, or run another router beside it.")
         return Connection(self)
 
     @property
@@ -230,7 +233,8 @@ class Router:
 
 async def serve(config: Config, view: Directory, dial: Dial, *, ready: Any = None) -> None:
     """Run the router until SIGTERM or SIGINT."""
-    router = Router(config, view, dial)
+    _, _, limit = raise_nofile_limit()  # the router's descriptors are its clients': all of the hard limit
+    router = Router(config, view, dial, max_clients=max(16, min(MAX_CLIENTS, limit - RESERVED_FDS)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

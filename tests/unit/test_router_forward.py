@@ -15,7 +15,7 @@ from sandboxd.errors import NotServedHere
 from sandboxd.router.forward import Forward, Hosts, NotSent, Sending, routed
 from sandboxd.router.upstream import UpstreamLost, unix_dial
 from sandboxd.router.server import _rewrite
-from sandboxd.wire import PROGRESS, encode, error_object, error_response, notification, response
+from sandboxd.wire import PROGRESS, encode, error_object, error_response, notification, request, response
 
 USER = "alice@example.com"
 Script = Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]
@@ -289,3 +289,29 @@ def test_the_fleets_status_reads_as_one_daemons(short_dir: Path) -> None:
                                                             started_at=0.0))
 
     run(short_dir, {"a": status_of("a@x.io", 0), "b": status_of("b@x.io", 2), "c": silent}, scenario)
+
+
+def test_connections_past_the_routers_bound_are_answered_and_closed(short_dir: Path) -> None:
+    from sandboxd.config import load_config
+    from sandboxd.router.server import Router
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        config = load_config(overrides={"socket": short_dir / "router.sock"}, environ={})
+        router = Router(config, view, unix_dial, max_clients=2)
+        await router.start()
+        try:
+            served = [await asyncio.open_unix_connection(str(config.socket)) for _ in range(2)]
+            for reader, writer in served:  # the two within the bound are served: a call reaches host a
+                writer.write(encode(request(1, "tools/call", {"user": USER, "name": "hello"})))
+                assert json.loads(await asyncio.wait_for(reader.readline(), 5))["result"]["status"] == "ok"
+            reader, writer = await asyncio.open_unix_connection(str(config.socket))
+            refused = json.loads(await asyncio.wait_for(reader.readline(), 5))
+            assert refused["error"]["code"] == -32003 and "2 connections" in refused["error"]["message"]
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # then closed
+            for _, served_writer in served:
+                served_writer.close()
+            writer.close()
+        finally:
+            await router.close()
+
+    run(short_dir, {"a": ok}, scenario)
