@@ -38,12 +38,13 @@ from bench.cluster import cluster_cost
 from bench.quota import quota_cost
 from bench.router import router_cost
 from bench.transfer import transfer_cost
+from bench.move import move_cost
 from bench.runtimes import compare_runtimes
 from sandboxd.config import RUNNER_IMAGE, SandboxConfig
 from sandboxd.server.server import instance_id
 
 SECTIONS = ("floors", "latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory",
-            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "router", "email", "permissions", "transfer",
+            "refill", "density", "attach", "overhead", "neighbours", "https", "gvisor", "quota", "cluster", "router", "email", "permissions", "transfer", "move",
             "instructions")
 # The sections measured on the main benchmark daemon: without any of them, it is not started.
 DAEMON_SECTIONS = ("latency", "node", "mcp", "throughput", "progress", "tool_load", "returning", "cold", "memory", "refill")
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             results["router"] = router_cost(root / "router", run_id, args.image, calls=min(args.calls, 2000), say=say)
         if "transfer" not in args.skip:
             results["transfer"] = transfer_cost(root / "transfer", mib=256 if args.quick else 1024, say=say)
+        if "move" not in args.skip:
+            results["move"] = move_cost(root / "move", run_id, args.image, mib=256 if args.quick else 1024, say=say)
         if "overhead" not in args.skip:
             say("sandboxd alone: the fake backend (no Docker)")
             results["overhead"] = run_variant(root / "fake", run_id, args, "backend: fake\n", "fake")

@@ -219,6 +219,7 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     out += _router_rows(r.get("router", {}))
     out += _email_rows(r.get("email", {}))
     out += _permissions_rows(r.get("permissions", {}))
+    out += _move_rows(r.get("move", {}))
     over = r.get("overhead", {})
     if over.get("warm"):
         out.append(("sandboxd alone (fake backend, no Docker): warm call p50", _ms(over["warm"].get("p50_ms")),
@@ -284,6 +285,16 @@ def _runtime_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]
         out.append(("gVisor (runsc, ptrace): an idle sandbox's memory (its cgroup), median", f"{mine:.1f} MB",
                     f"runc {base:.1f} MB", _x(ratio(mine, base)), "", "—"))
     return out
+
+
+def _move_rows(m: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """`sandboxd users move` between two real hosts over mutual TLS, btrfs to btrfs (bench/move.py)."""
+    if "skipped" in m:
+        return [("users move", "skipped", m["skipped"], "", "", "—")]
+    if not m.get("move_s"):
+        return []
+    return [(f"users move of a {m['mib']}-MiB user ({m['files']} files), host to host over TLS",
+             f"{m['move_s']:.1f} s", f"the move's own steps {m['result']['seconds']:.1f} s", "", "", "—")]
 
 
 def _transfer_rows(t: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:

@@ -57,7 +57,12 @@ def _config(data: Path, mib: int) -> Config:
 def _make_user(config: Config, mib: int) -> int:
     (config.data_path / "email").mkdir()
     provision_user(config, USER, (os.getuid(), os.getgid()))
-    folder = config.data_path / USER
+    return make_files(config.data_path, USER, mib)
+
+
+def make_files(data_path: Path, user: str, mib: int) -> int:
+    """The user's files in their folder (made already) and their email database: how many files."""
+    folder = data_path / user
     for i in range(16):
         with open(folder / f"blob{i:02}", "wb") as blob:
             for _ in range(mib // 16):
@@ -65,7 +70,7 @@ def _make_user(config: Config, mib: int) -> int:
     (folder / "small").mkdir()
     for i in range(1000):
         (folder / "small" / f"{i}.txt").write_bytes(os.urandom(200))
-    db = sqlite3.connect(folder.parent / "email" / USER / "emails.db")
+    db = sqlite3.connect(data_path / "email" / user / "emails.db")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("CREATE TABLE mail (id INTEGER PRIMARY KEY, body BLOB)")
     db.executemany("INSERT INTO mail (body) VALUES (?)", [(os.urandom(2000),) for _ in range(5000)])
