@@ -1,11 +1,13 @@
-"""The router's pure parts: rendezvous placement, and one upstream connection's ids."""
+"""The router's pure parts: rendezvous placement, one upstream connection's ids, the watches it holds."""
 
 from __future__ import annotations
 
 import collections
 
-from sandboxd.router.ids import Slot, UpstreamIds, client_token, with_token
 from sandboxd.cluster.rendezvous import place
+from sandboxd.errors import InvalidParams
+from sandboxd.router.ids import Slot, UpstreamIds, client_token, with_token
+from sandboxd.router.watch import Watches
 from sandboxd.wire import PROGRESS, TOOLS_LIST_CHANGED, error_object, error_response, notification, response
 
 USERS = [f"user{i}@example.com" for i in range(1000)]
@@ -98,3 +100,45 @@ def test_the_progress_token_is_rewritten_and_read_back() -> None:
     assert with_token({"_meta": {"progressToken": [1]}}, 7) is None
     assert client_token({"_meta": {"progressToken": "t"}}, 5) == "t"
     assert client_token({}, 5) == 5
+
+
+# -- tools/watch, held by the router -----------------------------------------------------------------
+
+
+
+def test_a_users_watch_is_sent_to_a_host_once_and_heard_by_every_watcher() -> None:
+    watches, first, second = Watches(), [], []
+    assert watches.add("c1", first.append, "u@x.io") is True  # the first watcher: the router asks the host
+    watches.held("u@x.io", "a", "conn-1")
+    assert watches.add("c2", second.append, "u@x.io") is False  # the host watches already
+    watches.changed("a", {"user": "u@x.io"})
+    assert first == second == [dict(notification(TOOLS_LIST_CHANGED, {"user": "u@x.io"}))]
+    watches.changed("b", {"user": "u@x.io"})  # a host that does not hold the watch (the user moved) is not heard
+    assert len(first) == 1
+    watches.forget("c1")
+    watches.changed("a", {"user": "u@x.io"})
+    assert len(first) == 1 and len(second) == 2
+
+
+def test_a_lost_host_connection_tells_the_watchers_and_names_what_to_watch_again() -> None:
+    watches, heard = Watches(), []
+    watches.add("c1", heard.append, "u@x.io")
+    watches.held("u@x.io", "a", "conn-1")
+    watches.add("c1", heard.append, None)
+    watches.held(None, "b", "conn-2")
+    assert watches.lost("conn-1") == ["u@x.io"]
+    assert heard == [dict(notification(TOOLS_LIST_CHANGED, {"user": "u@x.io"}))]  # list again: a change may be lost
+    assert watches.add("c2", heard.append, "u@x.io") is True  # no host holds it now
+
+
+def test_a_client_connection_watches_sixteen_users_at_most() -> None:
+    watches = Watches()
+    for i in range(16):
+        watches.add("c1", lambda _m: None, f"u{i}@x.io")
+    try:
+        watches.add("c1", lambda _m: None, "one-more@x.io")
+    except InvalidParams as exc:
+        assert "at most 16" in exc.message
+    else:
+        raise AssertionError("a 17th user was watched")
+    watches.add("c1", lambda _m: None, "u3@x.io")  # one it watches already is fine
