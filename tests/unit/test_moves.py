@@ -148,3 +148,44 @@ def test_a_moved_copy_is_set_aside_read_only_and_removed_once_kept_long_enough(t
     assert sorted(moved.remove_expired(config, 100, now=1100)) == sorted(aside)
     assert not any(path.exists() for path in aside)
     assert moved.set_aside_at(f"{U}~sandboxd-moved-12x") is None and moved.set_aside_at(U) is None
+
+
+class Fleet:
+    """Several users' records and the hosts' drain marks, in memory, for a drain (moves always succeed)."""
+
+    def __init__(self, homes: dict[str, str], nodes: dict[str, NodeRecord]) -> None:
+        self.users = {user: UserRecord(user, node, 1) for user, node in homes.items()}
+        self.nodes = dict(nodes)
+
+    async def snapshot(self) -> Snapshot:
+        return Snapshot(1, dict(self.nodes), dict(self.users))
+
+    async def set_draining(self, name: str, draining: bool) -> NodeRecord | None:
+        old = self.nodes[name]
+        self.nodes[name] = NodeRecord(name, old.address, "draining" if draining else "active")
+        return self.nodes[name]
+
+
+def test_a_drain_marks_the_host_and_moves_each_user_where_rendezvous_places_them_among_the_active_hosts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandboxd.cluster import drain as drain_module
+
+    users = [f"u{i}@example.com" for i in range(6)]
+    fleet = Fleet({user: "a" for user in users} | {"other@example.com": "b"},
+                  {"a": NodeRecord("a", "x:1"), "b": NodeRecord("b", "x:2"), "c": NodeRecord("c", "x:3"),
+                   "d": NodeRecord("d", "x:4", "draining")})
+
+    async def fake_move(directory: Fleet, _dial: Any, user: str, to: str, *, wait_s: float) -> Any:
+        if user == users[0]:
+            raise MoveFailed(user, "pull", "refused", "It stays.")
+        directory.users[user] = UserRecord(user, to, 2)
+        return type("Moved", (), {"to_json": lambda self: {"user": user, "to": to}})()
+
+    monkeypatch.setattr(drain_module, "move", fake_move)
+    told: list[dict[str, Any]] = []
+    failed = asyncio.run(drain_module.drain(fleet, Hosts().dial, "a", wait_s=1, told=told.append))  # type: ignore[arg-type]
+    assert fleet.nodes["a"].state == "draining" and failed == [users[0]]
+    assert [line["user"] for line in told] == users  # one line each, in order, the failure included
+    for user in users[1:]:
+        assert fleet.users[user].node == place(user, ["b", "c"])  # never the draining d, nor a
+    assert fleet.users["other@example.com"].node == "b"
