@@ -1,0 +1,163 @@
+"""packaging/swarm/ on three Docker engines joined as a Swarm (issue 47, item 2), end to end.
+
+deploy.sh deploys the stack; etcd's three pinned members form one cluster; every host's sandboxd
+registers itself and serves the users it claimed, its sandboxes on its own engine; one router
+socket answers nine new users placed over the hosts, and the users claimed on each host; a host
+cut off (its link down) answers `fenced` within lease_s + 1 s and serves again once healed; a
+host whose engine dies is `node_down` for the others and through the router within lease_s + 1 s,
+and the other hosts' users are still served. The tests run in this order on one stack: the
+last two take host 3 away.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from tests.e2e.hostile_harness import wait_until
+from tests.swarm.harness import Host
+from tests.swarm.stack import LEASE_S, Stack
+
+pytestmark = pytest.mark.docker
+
+USERS = [f"user{i}@example.com" for i in range(9)]
+ROUTED = [f"routed{i}@example.com" for i in range(9)]  # first asked through the router, which places them
+ETCD = "--endpoints=http://etcd1:2379,http://etcd2:2379,http://etcd3:2379"
+
+
+def home(stack: Stack, user: str) -> Host:
+    """The host each user was first asked on, so claimed by: user i on host i % 3 + 1."""
+    return stack.swarm.hosts[USERS.index(user) % 3]
+
+
+def users_of(stack: Stack, host: Host) -> list[str]:
+    return [user for user in USERS if home(stack, user) is host]
+
+
+def test_swarm_stack_deploys_and_etcd_forms_one_cluster_of_three_pinned_members(stack: Stack) -> None:
+    hosts = stack.swarm.hosts
+    for index, host in enumerate(hosts, start=1):
+        assert stack.container(host, f"etcd{index}"), f"etcd{index} does not run on {host.name}, where it is pinned"
+    members = json.loads(stack.exec(hosts[0], "etcd1", "etcdctl", ETCD, "member", "list", "-w", "json"))["members"]
+    assert sorted(member["name"] for member in members) == ["etcd1", "etcd2", "etcd3"]
+    statuses = json.loads(stack.exec(hosts[0], "etcd1", "etcdctl", ETCD, "endpoint", "status", "-w", "json"))
+    assert len({status["Status"]["leader"] for status in statuses}) == 1, f"members disagree on the leader: {statuses}"
+    assert len({status["Status"]["header"]["cluster_id"] for status in statuses}) == 1, statuses
+
+
+def test_swarm_every_host_registers_and_serves_the_users_it_claimed(stack: Stack) -> None:
+    hosts = stack.swarm.hosts
+    nodes = stack.nodes(hosts[0])
+    assert {name: (node["state"], node["address"]) for name, node in nodes.items()} == {
+        host.name: ("active", f"sandboxd-{host.name}:7443") for host in hosts}
+    for user in USERS:
+        assert stack.hello(home(stack, user), user) == f"Hello, {user}!"
+    for user in USERS:
+        elsewhere = hosts[(USERS.index(user) + 1) % 3]
+        owner = home(stack, user)
+        assert stack.refusal(elsewhere, user) == {"reason": "elsewhere", "node": owner.name,
+                                                  "address": f"sandboxd-{owner.name}:7443"}
+    # Each daemon ran its users' sandboxes on its own host's engine, at the data path both see.
+    assert [stack.sandboxes(host) >= 3 for host in hosts] == [True] * 3
+
+
+def test_swarm_router_answers_nine_users_spread_over_the_hosts(stack: Stack) -> None:
+    hosts = {host.name: host for host in stack.swarm.hosts}
+    for user in ROUTED:
+        assert stack.hello(None, user) == f"Hello, {user}!"
+    homes = {user: stack.where(user) for user in ROUTED}
+    assert set(homes.values()) <= set(hosts) and len(set(homes.values())) >= 2, f"not spread over the hosts: {homes}"
+    for user, home_name in homes.items():
+        assert stack.hello(hosts[home_name], user) == f"Hello, {user}!"  # served where the directory says
+    for user in USERS:  # claimed on their hosts directly: the router finds them there
+        assert stack.hello(None, user) == f"Hello, {user}!"
+
+
+def test_swarm_host_cut_off_is_fenced_within_lease_then_serves_again(stack: Stack) -> None:
+    third = stack.swarm.hosts[2]
+    first = stack.swarm.hosts[0]
+    user = users_of(stack, third)[0]
+    assert stack.hello(third, user)
+    cut = time.monotonic()
+    stack.swarm.cut_off(third)
+    try:
+        wait_until(lambda: stack.refused_with(third, user, "fenced"), LEASE_S + 1, f"{third.name} to answer fenced")
+        fenced_s = time.monotonic() - cut
+        assert fenced_s <= LEASE_S + 1, f"fenced {fenced_s:.1f} s after the cut"
+        for other in users_of(stack, first):
+            assert stack.hello(first, other), "a host still joined stopped serving while another was cut off"
+    finally:
+        stack.swarm.cut_off(third, cut=False)
+    healed = time.monotonic()
+    wait_until(lambda: _served(stack, third, user), 60, f"{third.name} to serve {user} again after the heal", interval=0.5)
+    _no_user_on_two_hosts_at_once(stack)
+    print(f"\nswarm: {third.name} cut off: fenced after {fenced_s:.1f} s (lease_s {LEASE_S}), serving again "
+          f"{time.monotonic() - healed:.1f} s after the heal")
+
+
+def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack: Stack) -> None:
+    first, second, third = stack.swarm.hosts
+    _etcd_leader_off(stack, third)  # a new etcd leader renews every lease in full: host 3's would outlive lease_s
+    victim = users_of(stack, third)[0]
+    assert stack.hello(third, victim)
+    killed = time.monotonic()
+    stack.swarm.kill_engine(third)
+    gone_s = time.monotonic() - killed
+    wait_until(lambda: stack.refused_with(first, victim, "node_down"), LEASE_S + 1 - gone_s,
+               f"{victim}, whose host {third.name} died, to be node_down on {first.name} within lease_s + 1 s")
+    down_s = time.monotonic() - killed
+    assert down_s <= LEASE_S + 1, f"node_down {down_s:.1f} s after the kill"
+    assert stack.refusal(second, victim) == {"reason": "node_down", "node": third.name}
+    through_router = stack.refusal(None, victim)
+    assert (through_router["reason"], through_router["node"]) == ("node_down", third.name), through_router
+    for host in (first, second):
+        for user in users_of(stack, host):
+            assert stack.hello(host, user) == f"Hello, {user}!"
+            assert stack.hello(None, user) == f"Hello, {user}!"
+    manager = first.docker("node", "inspect", "-f", "{{.Status.State}}", third.name)
+    print(f"\nswarm: {third.name}'s engine killed (every process gone {gone_s:.1f} s later): its users node_down "
+          f"after {down_s:.1f} s; Swarm says the host is {manager}")
+
+
+def _no_user_on_two_hosts_at_once(stack: Stack) -> None:
+    """The hosts' call_served lines: no user's calls on one host overlap their calls on another."""
+    spans: dict[str, list[tuple[float, float, str]]] = {}
+    for host in stack.swarm.hosts:
+        for line in stack.served(host):
+            spans.setdefault(line["user"], []).append((line["start"], line["end"], host.name))
+    assert set(USERS) <= set(spans), f"call_served lines missing for {set(USERS) - set(spans)}"
+    for user, served in spans.items():
+        for (start, end, host), (other_start, other_end, other) in itertools.combinations(served, 2):
+            apart = end <= other_start or other_end <= start
+            assert host == other or apart, f"{user} served by {host} and {other} at once: {sorted(served)}"
+
+
+def _served(stack: Stack, host: Host, user: str) -> bool:
+    try:
+        return bool(stack.hello(host, user))
+    except Exception:  # fenced, or the daemon restarting: not yet
+        return False
+
+
+def _etcd_leader_off(stack: Stack, host: Host) -> None:
+    """Move etcd's leadership off ``host``'s member, when it holds it (`etcdctl move-leader`)."""
+    first = stack.swarm.hosts[0]
+    ids: dict[str, int] = {}
+
+    def agreed_leader() -> int:
+        # A member that just came back (after the cut) names no leader until it has caught up.
+        try:
+            statuses = json.loads(stack.exec(first, "etcd1", "etcdctl", ETCD, "endpoint", "status", "-w", "json"))
+        except RuntimeError:  # a member that does not answer yet
+            return 0
+        ids.update({status["Endpoint"]: status["Status"]["header"]["member_id"] for status in statuses})
+        leaders = {status["Status"].get("leader", 0) for status in statuses}
+        return leaders.pop() if len(leaders) == 1 and len(statuses) == 3 else 0
+
+    leader = wait_until(agreed_leader, 30, "etcd's three members to agree on a leader", interval=0.5)
+    member = f"http://etcd{host.index}:2379"
+    if ids[member] == leader:
+        stack.exec(first, "etcd1", "etcdctl", f"--endpoints={member}", "move-leader", format(ids["http://etcd1:2379"], "x"))
