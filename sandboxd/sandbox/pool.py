@@ -149,7 +149,7 @@ class Pool:
         used = [pooled for key in owners for pooled in self._of_user[key] if pooled.calls or pooled.current is BUSY]
         for pooled in used:
             pooled.generation = -1
-        self._apply(self._plan(None if self._waiters or len(owners) > 1 else user))
+        self._apply(self._plan(owners[0] if len(owners) == 1 and not self._waiters else None))
         return [pooled.id for pooled in used]
 
     def maintain(self) -> None:

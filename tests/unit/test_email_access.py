@@ -62,9 +62,7 @@ def test_the_pool_never_hands_a_sandbox_of_one_access_to_a_call_of_another() -> 
 
     def spec_for(key: str) -> SandboxSpec:
         started.append(key)
-        root = Path("/nonexistent")
-        return SandboxSpec(owner_user(key), root / "tools", root / "u", root / "u" / "tools", None,
-                           email_access=owner_access(key))
+        return _spec_for(key)
 
     async def main() -> None:
         pool = Pool(FakeBackend(), PoolConfig(max_per_user=1, max_total=4, min_idle=0, acquire_timeout_ms=500), spec_for)
@@ -91,3 +89,21 @@ def test_a_listing_warms_the_owner_most_tools_need() -> None:
     assert likely_owner(A, [UNDECLARED, UNDECLARED, read], required=False) == A
     assert likely_owner(A, [UNDECLARED, UNDECLARED, read], required=True) == owner(A, "none")
     assert likely_owner(A, [], required=False) == A
+
+
+def test_retiring_a_user_replaces_their_sandboxes_of_another_access_at_once() -> None:
+    async def main() -> None:
+        pool = Pool(FakeBackend(), PoolConfig(max_per_user=1, max_total=4, min_idle=0), _spec_for)
+        nothing = await pool.acquire(owner(A, "none"))  # the user's only sandbox: no email
+        pool.release(nothing, reusable=True)
+        await asyncio.sleep(0)
+        assert pool.retire(A) == [nothing.id]
+        assert pool.status()["users"][A]["stopping"] == 1  # now, not at the next maintenance
+
+    asyncio.run(main())
+
+
+def _spec_for(key: str) -> SandboxSpec:
+    root = Path("/nonexistent")
+    return SandboxSpec(owner_user(key), root / "tools", root / "u", root / "u" / "tools", None,
+                       email_access=owner_access(key))
