@@ -13,9 +13,10 @@ import pytest
 from sandboxd.cluster.records import NodeRecord, UserRecord
 from sandboxd.errors import NotServedHere
 from sandboxd.router.forward import Forward, Hosts, NotSent, Sending, routed
-from sandboxd.router.upstream import UpstreamLost, unix_dial
 from sandboxd.router.server import _rewrite
+from sandboxd.router.upstream import UpstreamLost, unix_dial
 from sandboxd.wire import PROGRESS, encode, error_object, error_response, notification, request, response
+from tests.unit.router_view import View
 
 USER = "alice@example.com"
 Script = Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]
@@ -40,37 +41,6 @@ class FakeHost:
 
     def calls(self) -> list[dict[str, Any]]:
         return [message for message in self.seen if message.get("method") == "tools/call"]
-
-
-class View:
-    def __init__(self) -> None:
-        self.hosts: dict[str, NodeRecord] = {}
-        self.users: dict[str, UserRecord] = {}
-        self._changed = asyncio.Event()
-
-    def home(self, user: str) -> UserRecord | None:
-        return self.users.get(user)
-
-    def node(self, name: str) -> NodeRecord | None:
-        return self.hosts.get(name)
-
-    def nodes(self) -> dict[str, NodeRecord]:
-        return self.hosts
-
-    async def claim(self, user: str, node: str) -> UserRecord:
-        self.users.setdefault(user, UserRecord(user, node, 1))
-        return self.users[user]
-
-    async def changed(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-
-    def put(self, user: str, record: UserRecord) -> None:
-        self.users[user] = record
-        self._changed.set()
-        self._changed = asyncio.Event()
 
 
 async def ok(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:

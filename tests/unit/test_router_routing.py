@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-from sandboxd.cluster.records import NodeRecord, UserRecord
+from sandboxd.cluster.records import UserRecord
 from sandboxd.router.routing import decide, refusal_of
 from sandboxd.wire import error_object, error_response, response
+from tests.unit.router_view import View
 
 USERS = [f"user{i}@example.com" for i in range(30)]
-
-
-class View:
-    def __init__(self, nodes: dict[str, str], users: dict[str, UserRecord] | None = None) -> None:
-        self._nodes = {name: NodeRecord(name, f"{name}.test:7443", state) for name, state in nodes.items()}
-        self._users = users or {}
-
-    def home(self, user: str) -> UserRecord | None:
-        return self._users.get(user)
-
-    def node(self, name: str) -> NodeRecord | None:
-        return self._nodes.get(name)
-
-    def nodes(self) -> dict[str, NodeRecord]:
-        return self._nodes
-
-    async def claim(self, user: str, node: str) -> UserRecord:
-        raise AssertionError("not claimed in these tests")
-
-    async def changed(self, timeout_s: float) -> None:
-        raise AssertionError("not waited on in these tests")
 
 
 def test_a_user_with_a_home_goes_there() -> None:
