@@ -16,7 +16,7 @@ from sandboxd import strictjson
 from sandboxd.client import DaemonUnreachable
 from sandboxd.errors import BackendUnavailable
 from sandboxd.lines import LineBuffer
-from sandboxd.logging import get_logger
+from sandboxd.logging import get_logger, source
 from sandboxd.router.ids import OnProgress, Slot, UpstreamIds
 from sandboxd.wire import cancelled, encode, request
 
@@ -71,7 +71,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for slot in self.ids.lost():
+        slots = self.ids.lost()
+        log.warning("router_host_connection_lost", node=self.node, calls_failed=len(slots),
+                    error=str(exc) if exc else None, budget=source("host", self.node))
+        for slot in slots:
             if not slot.waiter.done():
                 slot.waiter.set_exception(UpstreamLost(
                     f"host {self.node} closed the connection while the call was in flight; it may have run, so "
@@ -168,6 +171,8 @@ class Upstream:
             _, writer = await asyncio.wait_for(self._dial(self.node, self.address), DIAL_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, DaemonUnreachable) as exc:
             why = str(exc) or f"no answer within {DIAL_TIMEOUT_S:g} s"
+            log.warning("router_host_unreachable", node=self.node, address=self.address, error=why,
+                        budget=source("host", self.node))
             raise HostUnreachable(f"host {self.node} at {self.address} cannot be reached ({why}); nothing ran. "
                                   "Check that it runs and listens, then call again.") from None
         conn = UpstreamConnection(self.node, writer, self._on_notification, self._on_lost)
