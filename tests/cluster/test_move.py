@@ -181,6 +181,7 @@ def test_a_user_moves_a_to_b_under_calls_with_every_byte_row_and_the_quota(clust
         assert json.loads(moved.stdout)["to"] == "b" and json.loads(moved.stdout)["files"] == 203
         assert not caller.failures, caller.failures[:5]
         assert {outcome for outcome, _ in caller.answers} <= {"ok", "moving", "elsewhere"}
+        assert ("ok", "a") in caller.answers and ("moving", "a") in caller.answers  # refused meanwhile, not stalled
         assert cluster.where(USER)["node"] == "b"
 
         # A set its copy aside, read-only and unserved (and removes it keep_moved_s later, below).
