@@ -1,5 +1,8 @@
 """``ping`` and ``sandbox/status`` through the router: every host asked at once, each answer kept under its
-name, and the hosts that did not answer within ``FLEET_TIMEOUT_S`` listed (docs/protocol.md, "Through the router")."""
+name, and the hosts that did not answer within ``FLEET_TIMEOUT_S`` listed (docs/protocol.md, "Through the router").
+
+One ask per method is on its way at a time, and the requests that arrive meanwhile share its answer:
+a client pipelining thousands of pings costs each host one ping at a time, not thousands."""
 
 from __future__ import annotations
 
@@ -42,17 +45,33 @@ async def ask_all(method: str, view: Directory, hosts: Hosts) -> tuple[dict[str,
     return answered, sorted(silent)
 
 
-async def ping(view: Directory, hosts: Hosts) -> dict[str, Any]:
-    answered, silent = await ask_all("ping", view, hosts)
+class Asking:
+    """The fleet-wide asks on their way, by method."""
+
+    def __init__(self, view: Directory, hosts: Hosts) -> None:
+        self.view, self.hosts = view, hosts
+        self._on_way: dict[str, asyncio.Future[tuple[dict[str, Any], list[str]]]] = {}
+
+    async def ask(self, method: str) -> tuple[dict[str, Any], list[str]]:
+        asked = self._on_way.get(method)
+        if asked is None:
+            asked = self._on_way[method] = asyncio.ensure_future(ask_all(method, self.view, self.hosts))
+            asked.add_done_callback(lambda _done: self._on_way.pop(method, None))
+        return await asyncio.shield(asked)  # one caller that leaves does not cancel the others' answer
+
+
+async def ping(asking: Asking) -> dict[str, Any]:
+    answered, silent = await asking.ask("ping")
     return {"hosts": {node: {"ms": round(ms, 2)} for node, (_, ms) in sorted(answered.items())}, "unanswered": silent}
 
 
-async def status(config: Config, view: Directory, hosts: Hosts, *, connections: int, in_flight: int,
+async def status(config: Config, asking: Asking, *, connections: int, in_flight: int,
                  started_at: float) -> dict[str, Any]:
     """A daemon's status for the whole fleet, so clients that read one (``pool.users``, ``limits.allowedEnv``)
     read this alike: the hosts' pools and call counts summed (a user is on one host), their limits (one
     configuration fleet-wide); beside it, the router's own figures and every host's status by name."""
-    answered, silent = await ask_all("sandbox/status", view, hosts)
+    view = asking.view
+    answered, silent = await asking.ask("sandbox/status")
     states = {name: host.state for name, host in view.nodes().items()}
     by_host = {node: result for node, (result, _) in sorted(answered.items())}
     first: dict[str, Any] = next(iter(by_host.values()), {})

@@ -63,6 +63,7 @@ class Router:
         self.max_clients = max_clients  # past it a connection is answered -32003 and closed, not left to EMFILE
         self.hosts = Hosts(dial, self._notified, self._lost)
         self.watches = Watches()
+        self.asking = fleet.Asking(view, self.hosts)  # ping and sandbox/status: one ask of the fleet at a time
         self.peer_policy = PeerPolicy.from_config(config)
         self.refused_peers = RefusedPeers()
         self.connections: set[Connection] = set()
@@ -127,12 +128,12 @@ class Router:
         self.watches.forget(connection)
 
     def methods(self, connection: Connection) -> Mapping[str, Method]:
-        return {"ping": lambda _id, _params: Later(fleet.ping(self.view, self.hosts)),
+        return {"ping": lambda _id, _params: Later(fleet.ping(self.asking)),
                 "tools/list": self._list,
                 "tools/call": lambda request_id, params: self._call(connection, request_id, params),
                 "tools/watch": lambda _id, params: Later(self._watch(connection, params)),
                 "sandbox/status": lambda _id, _params: Later(fleet.status(
-                    self.config, self.view, self.hosts, connections=len(self.connections), in_flight=self.in_flight,
+                    self.config, self.asking, connections=len(self.connections), in_flight=self.in_flight,
                     started_at=self.started_at))}
 
     # -- methods ---------------------------------------------------------------------

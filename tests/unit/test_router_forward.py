@@ -247,7 +247,7 @@ def test_the_fleets_status_reads_as_one_daemons(short_dir: Path) -> None:
 
     async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
         config = load_config(environ={})
-        status = await fleet.status(config, view, upstreams, connections=1, in_flight=0, started_at=0.0)
+        status = await fleet.status(config, fleet.Asking(view, upstreams), connections=1, in_flight=0, started_at=0.0)
         assert status["pool"]["users"] == {"a@x.io": {"starting": 0, "idle": 1, "busy": 0, "stopping": 0, "waiting": 0},
                                            "b@x.io": {"starting": 0, "idle": 1, "busy": 2, "stopping": 0, "waiting": 0}}
         assert status["pool"]["totals"]["busy"] == 2 and status["calls"] == {"ok": 4}
@@ -255,8 +255,8 @@ def test_the_fleets_status_reads_as_one_daemons(short_dir: Path) -> None:
         assert set(status["hosts"]) == {"a", "b"}
         assert "a@x.io: 1 idle" in format_status(status)  # `sandboxd status` reads it as a daemon's
         view.hosts.clear()
-        assert "0 idle" in format_status(await fleet.status(config, view, upstreams, connections=1, in_flight=0,
-                                                            started_at=0.0))
+        assert "0 idle" in format_status(await fleet.status(config, fleet.Asking(view, upstreams), connections=1,
+                                                            in_flight=0, started_at=0.0))
 
     run(short_dir, {"a": status_of("a@x.io", 0), "b": status_of("b@x.io", 2), "c": silent}, scenario)
 
@@ -285,3 +285,21 @@ def test_connections_past_the_routers_bound_are_answered_and_closed(short_dir: P
             await router.close()
 
     run(short_dir, {"a": ok}, scenario)
+
+
+def test_pings_pipelined_by_a_client_cost_each_host_one_ping_at_a_time(short_dir: Path) -> None:
+    from sandboxd.router import fleet
+
+    async def slow_pong(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.2)
+        writer.write(encode(response(message["id"], {})))
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        asking = fleet.Asking(view, upstreams)
+        answers = await asyncio.gather(*(fleet.ping(asking) for _ in range(500)))
+        assert all(set(answer["hosts"]) == {"a", "b"} and answer["unanswered"] == [] for answer in answers)
+        assert len(hosts["a"].seen) == len(hosts["b"].seen) == 1
+        await fleet.ping(asking)  # the next ask, once the last one answered, asks again
+        assert len(hosts["a"].seen) == 2
+
+    run(short_dir, {"a": slow_pong, "b": slow_pong}, scenario)
