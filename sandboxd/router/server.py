@@ -34,6 +34,9 @@ from sandboxd.wire import PROGRESS, TOOLS_LIST_CHANGED, notification
 log = get_logger("sandboxd.router")
 
 MAX_CLIENTS = 4096  # connections served at once; more are refused (each holds a descriptor)
+# A client's unread output past which it is disconnected (its calls cancelled): a host's connection is shared, so
+# the router cannot pause a call's progress for one client that stopped reading, as a daemon pauses its sandbox.
+MAX_UNREAD = 64 << 20
 RESERVED_FDS = 128  # kept from the client connections: the hosts' pools, etcd, the refused peers held a moment
 SLACK_S = 5.0  # past a call's deadline, its grace and its queueing, before a silent host's call is given up
 
@@ -61,6 +64,7 @@ class Router:
     def __init__(self, config: Config, view: Directory, dial: Dial, *, max_clients: int = MAX_CLIENTS) -> None:
         self.config, self.view = config, view
         self.max_clients = max_clients  # past it a connection is answered -32003 and closed, not left to EMFILE
+        self.max_unread = MAX_UNREAD
         self.hosts = Hosts(dial, self._notified, self._lost)
         self.watches = Watches()
         self.asking = fleet.Asking(view, self.hosts)  # ping and sandbox/status: one ask of the fleet at a time
@@ -153,9 +157,18 @@ class Router:
         deadline_s, wait_s = self._deadlines(params)
         forward = Forward()
         sending = Sending("tools/call", params, deadline_s=deadline_s, wait_s=wait_s, forward=forward,
-                          on_progress=lambda progress: connection.send(notification(PROGRESS, progress)),
+                          on_progress=lambda progress: self._progress(connection, progress),
                           client_token=client_token(params, request_id), rewrite=_rewrite)
         return Later(self._forwarded(user, sending), forward)
+
+    def _progress(self, connection: Connection, progress: dict[str, Any]) -> None:
+        transport = connection.transport
+        if transport is not None and transport.get_write_buffer_size() > self.max_unread:
+            log.warning("router_client_not_reading", unread=transport.get_write_buffer_size(),
+                        limit=self.max_unread, detail="disconnected: its calls are cancelled")
+            transport.abort()  # connection_lost follows: the disconnect cancels the client's calls at their hosts
+            return
+        connection.send(notification(PROGRESS, progress))
 
     async def _forwarded(self, user: str, sending: Sending) -> dict[str, Any]:
         self.forwarding.add(sending.forward)

@@ -303,3 +303,42 @@ def test_pings_pipelined_by_a_client_cost_each_host_one_ping_at_a_time(short_dir
         assert len(hosts["a"].seen) == 2
 
     run(short_dir, {"a": slow_pong, "b": slow_pong}, scenario)
+
+
+def test_a_client_that_reads_nothing_while_progress_floods_is_disconnected_and_its_call_cancelled(
+        short_dir: Path) -> None:
+    from sandboxd.config import load_config
+    from sandboxd.router.server import Router
+
+    async def flood(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if message.get("method") == "tools/call":
+            token = message["params"]["_meta"]["progressToken"]
+            for count in range(1, 4001):  # ~4 MiB of progress
+                writer.write(encode(notification(PROGRESS, {"progressToken": token, "progress": count,
+                                                            "content": [{"type": "text", "text": "x" * 1000}]})))
+                await writer.drain()
+        elif message.get("method") == "notifications/cancelled":
+            writer.write(encode(response(message["params"]["requestId"], {"status": "cancelled"})))
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        config = load_config(overrides={"socket": short_dir / "router.sock"}, environ={})
+        router = Router(config, view, unix_dial)
+        router.max_unread = 1 << 20
+        await router.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(config.socket))
+            writer.write(encode(request(1, "tools/call", {"user": USER, "name": "flood"})))  # and never reads
+            def cancelled() -> bool:
+                return any(m.get("method") == "notifications/cancelled" for m in hosts["a"].seen)
+
+            for _ in range(200):  # 10 s at most
+                if cancelled() and not router.forwarding:
+                    break
+                await asyncio.sleep(0.05)
+            assert any(m.get("method") == "notifications/cancelled" for m in hosts["a"].seen)
+            assert not router.connections and not router.forwarding  # disconnected; the call answered and gone
+            writer.close()
+        finally:
+            await router.close()
+
+    run(short_dir, {"a": flood}, scenario)
