@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,25 +20,10 @@ from typing import Any, Iterator
 import pytest
 
 from sandboxd.config import RUNNER_IMAGE
-from tests.e2e.conftest import gvisor_registered
-from tests.e2e.test_quota_helper import DAEMON_UID, STRANGER_UID, SocketActivated, timed
+from tests.e2e.test_gvisor import _gvisor  # noqa: F401 (autouse: skipped, or failed in CI, without runsc)
+from tests.e2e.test_quota_helper import DAEMON_UID, STRANGER_UID, SocketActivated, helper, timed  # noqa: F401 (helper: a fixture)
 
 pytestmark = [pytest.mark.docker, pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")]
-
-
-@pytest.fixture
-def helper() -> Iterator[SocketActivated]:
-    problem = gvisor_registered()
-    if problem is not None:
-        if os.environ.get("E2E_REQUIRE_GVISOR"):
-            pytest.fail(problem)
-        pytest.skip(problem)
-    folder = Path(tempfile.mkdtemp(prefix="sandboxd-kill-helper-"))
-    os.chmod(folder, 0o755)  # the other uids must reach the socket
-    activated = SocketActivated(folder)
-    yield activated
-    activated.close()
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
 @pytest.fixture
