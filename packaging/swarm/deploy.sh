@@ -81,6 +81,11 @@ fi
 for host in "${HOSTS[@]}"; do issue "node-$host" "node:$host"; done
 issue router router:sandboxd
 issue operator "operator:${SUDO_USER:-${USER:-root}}"
+# The operator's config, for `sandboxd nodes drain` and the like run in a container on the stack's
+# network with this folder at /pki (docs/install.md, "Drain a host").
+[ -s "$SANDBOXD_PKI/operator.yaml" ] || printf '%s\n' "cluster:" \
+  "  etcd: ['http://etcd1:2379', 'http://etcd2:2379', 'http://etcd3:2379']" \
+  "  tls: {cert: /pki/operator.pem, key: /pki/operator.key, ca: /pki/ca.pem}" > "$SANDBOXD_PKI/operator.yaml"
 
 # 4. Swarm configs and secrets cannot change: each is named by its content's hash.
 version() { sha256sum "$1" | cut -c1-12; }

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from sandboxd import __version__
 from sandboxd.client import Client, RpcError
 from tests.e2e.conftest import REPO
 from tests.e2e.hostile_harness import wait_until
@@ -23,6 +24,7 @@ from tests.swarm.harness import Host, Swarm
 
 STACK = "sandboxd"
 LEASE_S = 5  # packaging/swarm/config.yaml's cluster.lease_s
+IMAGE = f"sandboxd/sandboxd:{__version__}"  # deploy.sh's default
 BUILDS = ("images/node/build.sh", "images/sandboxd/build.sh", "images/etcd/build.sh")
 
 
@@ -128,6 +130,13 @@ class Stack:
                               capture_output=True, text=True, timeout=60)
         lines = [json.loads(line) for line in (logs.stdout + logs.stderr).splitlines() if '"call_served"' in line]
         return [line for line in lines if line.get("event") == "call_served"]
+
+    def operator(self, host: Host, *command: str) -> str:
+        """A `sandboxd` command run as the operator, in a container on the stack's network on ``host``,
+        with deploy.sh's operator.yaml (docs/install.md, "Drain a host")."""
+        pki = self.swarm.root / "pki"
+        return host.docker("run", "--rm", "--network", f"{STACK}_cluster", "-v", f"{pki}:/pki:ro", IMAGE,
+                           *command, "--config", "/pki/operator.yaml", timeout=300)
 
     def where(self, user: str) -> str:
         """``user``'s home host, as `sandboxd users where` reads the directory."""

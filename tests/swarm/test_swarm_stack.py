@@ -2,7 +2,9 @@
 
 deploy.sh deploys the stack; etcd's three pinned members form one cluster; every host's sandboxd
 registers itself and serves the users it claimed, its sandboxes on its own engine; one router
-socket answers nine new users placed over the hosts, and the users claimed on each host; a host
+socket answers nine new users placed over the hosts, and the users claimed on each host;
+`sandboxd nodes drain` moves host 2's users while their calls through the router see only ok or
+moving; a host
 cut off (its link down) answers `fenced` within lease_s + 1 s and serves again once healed; a
 host whose engine dies is `node_down` for the others and through the router within lease_s + 1 s,
 and the other hosts' users are still served. The tests run in this order on one stack: the
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 
 import pytest
 
+from sandboxd.client import RpcError
 from tests.e2e.hostile_harness import wait_until
 from tests.swarm.harness import Host
 from tests.swarm.stack import LEASE_S, Stack
@@ -76,6 +80,34 @@ def test_swarm_router_answers_nine_users_spread_over_the_hosts(stack: Stack) -> 
         assert stack.hello(None, user) == f"Hello, {user}!"
 
 
+def test_swarm_drain_moves_a_hosts_users_while_the_router_serves_them(stack: Stack) -> None:
+    first, second, third = stack.swarm.hosts
+    leaving = [user for user in USERS + ROUTED if stack.where(user) == second.name]
+    assert leaving, "no user lives on host 2"
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def callers() -> None:  # the router's clients of the users who move, all through the drain
+        while not stop.is_set():
+            for user in leaving:
+                outcomes.append(_outcome(stack, user))
+
+    thread = threading.Thread(target=callers)
+    thread.start()
+    try:
+        drained = stack.operator(first, "nodes", "drain", second.name)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert len(outcomes) >= len(leaving) and set(outcomes) <= {"ok", "moving"}, outcomes
+    assert stack.nodes(first)[second.name]["state"] == "draining", drained
+    for user in leaving:
+        assert stack.where(user) in (first.name, third.name)
+        assert stack.hello(None, user) == f"Hello, {user}!"
+    print(f"\nswarm: {second.name} drained: {len(leaving)} users moved, {len(outcomes)} calls meanwhile, "
+          f"{outcomes.count('moving')} answered moving")
+
+
 def test_swarm_host_cut_off_is_fenced_within_lease_then_serves_again(stack: Stack) -> None:
     third = stack.swarm.hosts[2]
     first = stack.swarm.hosts[0]
@@ -100,8 +132,12 @@ def test_swarm_host_cut_off_is_fenced_within_lease_then_serves_again(stack: Stac
 
 def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack: Stack) -> None:
     first, second, third = stack.swarm.hosts
-    _etcd_leader_off(stack, third)  # a new etcd leader renews every lease in full: host 3's would outlive lease_s
     victim = users_of(stack, third)[0]
+    # Host 3 rejoined after the cut: Swarm replaces its tasks (its sandboxd and etcd member). Settled first.
+    wait_until(lambda: all(stack.healthy(host) for host in stack.swarm.hosts) and _served(stack, third, victim), 180,
+               "every sandboxd to be healthy and host 3 to serve again after Swarm replaced its tasks", interval=1.0)
+    _etcd_leader_off(stack, third)  # a new etcd leader renews every lease in full: host 3's would outlive lease_s
+    homes = {user: stack.where(user) for user in USERS + ROUTED}
     assert stack.hello(third, victim)
     killed = time.monotonic()
     stack.swarm.kill_engine(third)
@@ -113,9 +149,10 @@ def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack
     assert stack.refusal(second, victim) == {"reason": "node_down", "node": third.name}
     through_router = stack.refusal(None, victim)
     assert (through_router["reason"], through_router["node"]) == ("node_down", third.name), through_router
-    for host in (first, second):
-        for user in users_of(stack, host):
-            assert stack.hello(host, user) == f"Hello, {user}!"
+    hosts = {first.name: first, second.name: second}
+    for user, home_name in homes.items():
+        if home_name in hosts:
+            assert stack.hello(hosts[home_name], user) == f"Hello, {user}!"
             assert stack.hello(None, user) == f"Hello, {user}!"
     manager = first.docker("node", "inspect", "-f", "{{.Status.State}}", third.name)
     print(f"\nswarm: {third.name}'s engine killed (every process gone {gone_s:.1f} s later): its users node_down "
@@ -133,6 +170,17 @@ def _no_user_on_two_hosts_at_once(stack: Stack) -> None:
         for (start, end, host), (other_start, other_end, other) in itertools.combinations(served, 2):
             apart = end <= other_start or other_end <= start
             assert host == other or apart, f"{user} served by {host} and {other} at once: {sorted(served)}"
+
+
+def _outcome(stack: Stack, user: str) -> str:
+    """A call through the router: 'ok', or the refusal's reason, or what else went wrong."""
+    try:
+        stack.hello(None, user)
+        return "ok"
+    except RpcError as refused:
+        return str((refused.data or {}).get("reason") if isinstance(refused.data, dict) else refused)
+    except Exception as exc:  # a timeout or a dropped connection: never acceptable here
+        return repr(exc)
 
 
 def _served(stack: Stack, host: Host, user: str) -> bool:
@@ -157,7 +205,7 @@ def _etcd_leader_off(stack: Stack, host: Host) -> None:
         leaders = {status["Status"].get("leader", 0) for status in statuses}
         return leaders.pop() if len(leaders) == 1 and len(statuses) == 3 else 0
 
-    leader = wait_until(agreed_leader, 30, "etcd's three members to agree on a leader", interval=0.5)
+    leader = wait_until(agreed_leader, 120, "etcd's three members to agree on a leader", interval=0.5)
     member = f"http://etcd{host.index}:2379"
     if ids[member] == leader:
         stack.exec(first, "etcd1", "etcdctl", f"--endpoints={member}", "move-leader", format(ids["http://etcd1:2379"], "x"))
