@@ -1,6 +1,6 @@
 """Warm sandboxes per user, modelled on httpcore's connection pool.
 
-The state is plain collections: the sandboxes (``_sandboxes``; by user in ``_of_user``), each
+The state is plain collections: the sandboxes (``_sandboxes``; by account in ``_of_user``), each
 with its ``State``, and the callers waiting (``_waiters``). Events only record what happened
 (on the ``PooledSandbox``: its call ended, its start finished or failed, the backend removed it;
 or in ``_waiters``) and ask for a plan. ``_plan`` is the one decision: a function of the state
@@ -15,6 +15,9 @@ the pool). A caller cancelled while it waits never leaks a slot (``_leave``). Us
 the pool max-min fairly, the last ``pool.reserve`` slots kept for users' first calls: sharing.py
 returns whose turn it is. A sandbox being destroyed counts (STOPPING) until the backend has
 removed it: a tool that times out again and again cannot pile up containers.
+
+An owner is a user and an email access (email_access.py); the limits, min_idle and the fair share
+count the user's sandboxes of every access together (warm.py, sharing.py: at the limit, one is replaced).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from sandboxd.errors import BackendUnavailable, Overloaded, SandboxdError, Shutt
 from sandboxd.logging import get_logger, source
 from sandboxd.sandbox.backend import Backend, SandboxSpec
 from sandboxd.sandbox.email_access import owner_user
-from sandboxd.sandbox.pooled import BUSY, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter
-from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Start, bump, holdings,
-                                     refusal, serve_fairly)
+from sandboxd.sandbox.pooled import BUSY, IDLE, STARTING, STOPPING, Plan, PooledSandbox, State, Waiter, gone
+from sandboxd.sandbox.sharing import (REFUSAL_REASONS, Counts, Hand, Limits, Replace, Start, holdings, refusal,
+                                     serve_fairly)
+from sandboxd.sandbox.warm import idle_by_account, used_last
 
 __all__ = ["Pool", "PooledSandbox", "State"]
 
@@ -57,10 +61,10 @@ class Pool:
         # The pool's whole mutable state:
         self._sandboxes: list[PooledSandbox] = []
         self._waiters: list[Waiter] = []  # in arrival order: a user's own callers are served first come, first served
-        # The same sandboxes by user, in pool order: a plan of one user looks at theirs only.
+        # The same sandboxes by account (every access), in pool order: a plan of one user looks at theirs only.
         self._of_user: dict[str, list[PooledSandbox]] = {}
         # Bookkeeping that _plan reads:
-        self._last_call: dict[str, float] = {}  # user → last acquire/release; drives min_idle and the idle TTL
+        self._last_call: dict[str, float] = {}  # owner → last acquire/release; drives min_idle and the idle TTL
         self._backoff_until: dict[str, float] = {}
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -125,7 +129,7 @@ class Pool:
         if counted:
             pooled.calls += 1
         self._last_call[pooled.user] = now
-        if pooled.state is BUSY and not pooled.call_ended and pooled in self._of_user.get(pooled.user, ()):
+        if pooled.state is BUSY and not pooled.call_ended and pooled in self._of_user.get(pooled.account, ()):
             alive = pooled.alive
             if not reusable:
                 self.stats["killed" if alive else "crashed"] += 1
@@ -145,11 +149,10 @@ class Pool:
     def retire(self, user: str) -> list[str]:
         """``user`` went over their disk quota: their sandboxes that ran a tool, of every email access, are
         replaced as if their settings were old (idle ones now, busy ones at their call's end); returns their ids."""
-        owners = [key for key in self._of_user if owner_user(key) == user]
-        used = [pooled for key in owners for pooled in self._of_user[key] if pooled.calls or pooled.current is BUSY]
+        used = [pooled for pooled in self._of_user.get(user, ()) if pooled.calls or pooled.current is BUSY]
         for pooled in used:
             pooled.generation = -1
-        self._apply(self._plan(owners[0] if len(owners) == 1 and not self._waiters else None))
+        self._apply(self._plan(None if self._waiters else user))
         return [pooled.id for pooled in used]
 
     def maintain(self) -> None:
@@ -206,8 +209,8 @@ class Pool:
 
     def _plan(self, user: str | None = None) -> Plan:
         """What to do now, as a function of the pool's state alone: nothing changes here (``_commit``
-        applies the plan), nothing awaits. ``user``: only their sandboxes changed and nobody else
-        waits, so only theirs are looked at; None: everything. The cases, in the order decided:
+        applies the plan), nothing awaits. ``user`` (an owner): only their account's sandboxes changed and
+        nobody else waits, so only those are looked at; None: everything. The cases, in the order decided:
 
         1. A call or a start that ended leaves its sandbox idle.
         2. A sandbox the backend removed is forgotten; a failed start too: its user backs off
@@ -218,8 +221,9 @@ class Pool:
         4. A user quiet past the TTL with nothing left is forgotten (plans of everything only).
         5. A caller whose wait ended (cancelled, timed out) leaves the queue.
         6. The waiting callers are served in fair turns (sharing.serve_fairly): their own idle
-           sandbox, a start in free room, room on its way, or another user's idle one evicted.
-        7. A user who called or listed within the TTL gets starts up to min_idle, in room outside
+           sandbox, a start in free room, room on its way, or another user's idle one evicted; at
+           max_per_user, their idle one of another access replaced.
+        7. A user who called or listed within the TTL gets starts up to min_idle (warm.py), in room outside
            the reserve: never evicting, not while their callers wait (a second start at once
            slows theirs: docker create/start share the CPU), not within a backoff.
         """
@@ -240,31 +244,30 @@ class Pool:
         sandboxes left idle, in pool order (as case 6 hands them out)."""
         counts = Counts(held={}, starting={}, owned={}, total=len(self._sandboxes), held_total=0, stopping=0)
         idle_of: dict[str, list[PooledSandbox]] = {}
+        kept: dict[str, int] = {}  # each account's idle sandboxes kept so far (min_idle counts them together)
         owned, now = counts.owned, plan.now
-        for pooled in self._sandboxes if user is None else self._of_user.get(user, ()):
-            owner, state, since = pooled.user, pooled.state, pooled.since
+        for pooled in self._sandboxes if user is None else self._of_user.get(owner_user(user), ()):
+            owner, account, state, since = pooled.user, pooled.account, pooled.state, pooled.since
             if pooled.call_ended or (state is STARTING and pooled.sandbox is not None):  # 1
                 plan.ready.append(pooled)
                 state, since = IDLE, now
             if state is IDLE:
-                kept = idle_of.get(owner)
-                if self._retired(pooled, since, 0 if kept is None else len(kept), now):  # 3
+                if self._retired(pooled, since, kept.get(account, 0), now):  # 3
                     plan.destroy.append(pooled)
-                    counts.stopping += 1
-                elif kept is None:
-                    idle_of[owner] = [pooled]
+                    counts.stop(account)
                 else:
-                    kept.append(pooled)
+                    kept[account] = kept.get(account, 0) + 1
+                    idle_of.setdefault(owner, []).append(pooled)
             elif state is BUSY:
-                counts.hold(owner)
-            elif self._gone(pooled, state, plan):  # 2
+                counts.hold(account)
+            elif gone(pooled, state, plan):  # 2
                 counts.total -= 1
                 continue
             elif state is STOPPING:
-                counts.stopping += 1
+                counts.stop(account)
             else:
-                counts.hold(owner, starting=True)
-            owned[owner] = owned.get(owner, 0) + 1
+                counts.hold(account, starting=owner)
+            owned[account] = owned.get(account, 0) + 1
         return counts, idle_of
 
     def _idle_for_alone(self, user: str, now: float) -> PooledSandbox | None:
@@ -274,7 +277,7 @@ class Pool:
         idle for min_idle (or none could start). The others it leaves to the next plan, as ``release`` does."""
         if self._waiters or len(self._sandboxes) >= self._ceiling():
             return None
-        mine = self._of_user.get(user, ())
+        mine = self._of_user.get(owner_user(user), ())  # their sandboxes of every access: the limits count them all
         first, kept = None, 0
         for pooled in mine:
             if pooled.call_ended:
@@ -287,26 +290,15 @@ class Pool:
                 return None  # starting or stopping: a plan's case 1 or 2
             if self._retired(pooled, since, kept, now):
                 return None  # case 3
-            if first is None:
+            if first is None and pooled.user == user:
                 first = pooled
             kept += 1
         if first is None or (kept <= self.config.min_idle and len(mine) < self.config.max_per_user):
             return None  # none idle, or case 7 would start a spare
         return first
 
-    @staticmethod
-    def _gone(pooled: PooledSandbox, state: State, plan: Plan) -> bool:
-        """Case 2: removed by the backend, or its start failed: no longer the pool's."""
-        if state is STOPPING and pooled.removed:
-            plan.forget.append(pooled)
-            return True
-        if state is STARTING and pooled.start_error is not None:
-            plan.failed.append(pooled)
-            return True
-        return False
-
     def _retired(self, pooled: PooledSandbox, since: float, kept: int, now: float) -> bool:
-        """Case 3: this idle sandbox is destroyed (``kept``: its user's idle ones kept before it).
+        """Case 3: this idle sandbox is destroyed (``kept``: its account's idle ones kept before it).
         The cheapest tests first: this runs at every call's acquire."""
         cfg = self.config
         return (pooled.spent or pooled.generation != self._generation or pooled.sandbox is None
@@ -317,7 +309,7 @@ class Pool:
         """Case 4: users quiet past the TTL with no sandbox and no caller left (listing costs nothing)."""
         ttl, waiting = self.config.idle_ttl_s, {waiter.user for waiter in self._waiters}
         return [user for user, last in self._last_call.items()
-                if now - last > ttl and user not in self._of_user and user not in waiting]
+                if now - last > ttl and owner_user(user) not in self._of_user and user not in waiting]
 
     def _queues(self, plan: Plan) -> dict[str, list[Waiter]]:
         """Case 5, and case 2's callers: each user's callers left waiting, in arrival order."""
@@ -340,7 +332,7 @@ class Pool:
         # A plan of ``user`` alone counts the others' held and stopping sandboxes only near the ceiling
         # (below it, in as many turns as callers wait, no test of the ceiling or of room can be true).
         if user is not None and counts.total + sum(map(len, queues.values())) >= self._ceiling():
-            counts.hold_others(user, self._sandboxes)
+            counts.hold_others(owner_user(user), self._sandboxes)
         limits = Limits(self.config.max_per_user, self.config.max_total, self._ceiling())
         arrival = {waiter: i for i, waiter in enumerate(self._waiters)} if len(queues) > 1 else {}
         for decision in serve_fairly(queues, idle_of, arrival, counts, limits):
@@ -353,25 +345,32 @@ class Pool:
             else:
                 plan.destroy.append(decision.sandbox)
                 idle_of[decision.sandbox.user].remove(decision.sandbox)
+                if isinstance(decision, Replace):  # both at once: the new one takes the old one's place
+                    plan.start.append(counts.started(decision.user))
 
     def _keep_warm(self, user: str | None, queues: dict[str, list[Waiter]], idle_of: dict[str, list[PooledSandbox]],
                    counts: Counts, plan: Plan) -> None:
-        """Case 7, for each user who called or listed within the TTL (or the one user looked at)."""
+        """Case 7, for each account active within the TTL (or the one looked at): its idle sandboxes of every
+        access count together, and a spare is of the access used last (a listing's, or the last call's)."""
         cfg, now = self.config, plan.now
+        if cfg.min_idle == 0:  # nothing to keep warm
+            return
         backing_off = {pooled.user for pooled in plan.failed} if plan.failed else ()
-        for active in self._last_call if user is None else (user,):
-            if queues.get(active) or active in backing_off or not self._wants_spare(active, idle_of, now):
+        waiting = {owner_user(owner) for owner, callers in queues.items() if callers}
+        idle = idle_by_account(idle_of)
+        owners = self._last_call if user is None else [user, *(p.user for p in self._of_user.get(owner_user(user), ()))]
+        for account, active in used_last(owners, self._last_call).items():
+            if account in waiting or active in backing_off or not self._wants_spare(active, idle[account], now):
                 continue
-            missing = cfg.min_idle - len(idle_of.get(active, ())) - counts.starting.get(active, 0)
-            for _ in range(missing):
-                if counts.owned.get(active, 0) >= cfg.max_per_user or counts.total >= self._ceiling():
+            for _ in range(cfg.min_idle - idle[account] - counts.warming.get(account, 0)):
+                if counts.owned.get(account, 0) >= cfg.max_per_user or counts.total >= self._ceiling():
                     break
                 plan.start.append(counts.started(active))
 
-    def _wants_spare(self, user: str, idle_of: dict[str, list[PooledSandbox]], now: float) -> bool:
-        """Case 7's user: active within the TTL, short of min_idle, past any backoff."""
-        cfg = self.config  # idle_of: what case 6 left idle
-        return (len(idle_of.get(user, ())) < cfg.min_idle and now - self._last_call.get(user, 0.0) <= cfg.idle_ttl_s
+    def _wants_spare(self, user: str, idle: int, now: float) -> bool:
+        """Case 7's owner: active within the TTL, its account short of min_idle (``idle``), past any backoff."""
+        cfg = self.config
+        return (idle < cfg.min_idle and now - self._last_call.get(user, 0.0) <= cfg.idle_ttl_s
                 and now >= self._backoff_until.get(user, 0.0))
 
     # -- applying a plan: the state, then the I/O ------------------------------
@@ -425,22 +424,23 @@ class Pool:
 
     def _refusal(self, user: str, timeout: float) -> Overloaded:
         """Why ``user``'s wait ran out (sharing.refusal), counted by reason."""
-        reason, why = refusal(user, self._of_user.get(user, []), self._sandboxes, self.config)
+        account = owner_user(user)
+        reason, why = refusal(account, self._of_user.get(account, []), self._sandboxes, self.config)
         self.refusals[reason] += 1
-        return Overloaded(f"no sandbox for {user} became free within {timeout:g} s: {why}; retry later.",
+        return Overloaded(f"no sandbox for {account} became free within {timeout:g} s: {why}; retry later.",
                           data={"pool": repr(self), "reason": reason})
 
     def _forget(self, pooled: PooledSandbox) -> None:
         self._sandboxes.remove(pooled)
-        mine = self._of_user[pooled.user]
+        mine = self._of_user[pooled.account]
         mine.remove(pooled)
         if not mine:
-            del self._of_user[pooled.user]
+            del self._of_user[pooled.account]
 
     def _new(self, user: str, now: float) -> PooledSandbox:
         pooled = PooledSandbox(user, STARTING, since=now, generation=self._generation)
         self._sandboxes.append(pooled)
-        self._of_user.setdefault(user, []).append(pooled)
+        self._of_user.setdefault(pooled.account, []).append(pooled)
         return pooled
 
     # -- side effects -------------------------------------------------------

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sandboxd.errors import SandboxdError
 from sandboxd.sandbox.backend import Sandbox
+from sandboxd.sandbox.email_access import owner_user
 
 
 class State(enum.Enum):
@@ -28,7 +29,7 @@ HELD = (BUSY, STARTING)
 
 @dataclass(eq=False)
 class PooledSandbox:
-    user: str
+    user: str  # its owner: the user and the email access it carries (sandbox/email_access.py)
     state: State
     sandbox: Sandbox | None = None
     calls: int = 0
@@ -40,6 +41,11 @@ class PooledSandbox:
     spent: bool = False  # release: that call left it unfit for another (crashed, killed, old settings, max calls)
     start_error: SandboxdError | None = None  # its start failed
     removed: bool = False  # the backend has removed it (or gave up and listed it for removal)
+    # The user alone, whatever the access: the limits and the fair share count their sandboxes together.
+    account: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.account = owner_user(self.user)
 
     @property
     def alive(self) -> bool:
@@ -67,6 +73,17 @@ class PooledSandbox:
 class Waiter:
     user: str
     future: asyncio.Future[PooledSandbox]
+
+
+def gone(pooled: PooledSandbox, state: State, plan: Plan) -> bool:
+    """Case 2 of ``Pool._plan``: removed by the backend, or its start failed: no longer the pool's."""
+    if state is STOPPING and pooled.removed:
+        plan.forget.append(pooled)
+        return True
+    if state is STARTING and pooled.start_error is not None:
+        plan.failed.append(pooled)
+        return True
+    return False
 
 
 class Plan:

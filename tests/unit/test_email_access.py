@@ -65,7 +65,8 @@ def test_the_pool_never_hands_a_sandbox_of_one_access_to_a_call_of_another() -> 
         return _spec_for(key)
 
     async def main() -> None:
-        pool = Pool(FakeBackend(), PoolConfig(max_per_user=1, max_total=4, min_idle=0, acquire_timeout_ms=500), spec_for)
+        # Room for both (max_per_user counts them together; test_pool_accounts.py: one gives way to the other).
+        pool = Pool(FakeBackend(), PoolConfig(max_per_user=2, max_total=4, min_idle=0, acquire_timeout_ms=500), spec_for)
         writer = await pool.acquire(owner(A, "write"))
         pool.release(writer, reusable=True)
         await asyncio.sleep(0)
