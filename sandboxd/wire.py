@@ -189,6 +189,16 @@ def kind(message: dict[str, Any]) -> Literal["request", "notification", "respons
     return "unknown"
 
 
+def with_progress_token(params: dict[str, Any], token: Any) -> dict[str, Any]:
+    """A progress notification's params with its token replaced (a router's, between an upstream's and its client's)."""
+    return {**params, "progressToken": token}
+
+
+def with_meta_progress_token(params: dict[str, Any], meta: dict[str, Any], token: RequestId) -> dict[str, Any]:
+    """A request's params asking for progress under ``token``, the rest of its ``_meta`` kept."""
+    return {**params, "_meta": {**meta, "progressToken": token}}
+
+
 def with_id(message: Message, request_id: RequestId | None) -> Message:
     """A request or an answer with its id replaced (a router's rewriting between a client's ids and an upstream's).
 

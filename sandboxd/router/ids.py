@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, NamedTuple
 
-from sandboxd.wire import PROGRESS, is_request_id
+from sandboxd.wire import PROGRESS, is_request_id, with_meta_progress_token, with_progress_token
 
 OnProgress = Callable[[dict[str, Any]], None]  # a notifications/progress's params, token already the client's
 
@@ -77,7 +77,7 @@ class UpstreamIds:
         slot = self.slots.get(token) if isinstance(token, int) else None
         if slot is None or slot.on_progress is None or not isinstance(params, dict):
             return Step("drop", None, message)
-        return Step("progress", slot, {**params, "progressToken": slot.client_token})
+        return Step("progress", slot, with_progress_token(params, slot.client_token))
 
 
 def with_token(params: dict[str, Any], upstream_id: int) -> dict[str, Any] | None:
@@ -85,13 +85,13 @@ def with_token(params: dict[str, Any], upstream_id: int) -> dict[str, Any] | Non
     one the host would accept (it is sent as it came, so the host refuses it as it would directly)."""
     meta = params.get("_meta")
     if meta is None:
-        return {**params, "_meta": {"progressToken": upstream_id}}
+        return with_meta_progress_token(params, {}, upstream_id)
     if not isinstance(meta, dict):
         return None
     token = meta.get("progressToken")
     if token is not None and not is_request_id(token):
         return None
-    return {**params, "_meta": {**meta, "progressToken": upstream_id}}
+    return with_meta_progress_token(params, meta, upstream_id)
 
 
 def client_token(params: dict[str, Any], client_id: Any) -> Any:
