@@ -171,4 +171,20 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"limits: {per_user} per user, {limits['maxTotal']} in all, "
                      f"{limits['minIdle']} kept warm for {limits['idleTtlS']:g} s; "
                      f"call timeout {limits['defaultTimeoutMs']} ms (at most {limits['maxTimeoutMs']} ms)")
-    return "\n".join(lines)
+    return "\n".join(lines + _fleet_lines(status))
+
+
+def _fleet_lines(status: dict[str, Any]) -> list[str]:
+    """A router's status: a line per host that answered, and the hosts that did not (docs/protocol.md)."""
+    if not status.get("router"):
+        return []
+    hosts = status.get("hosts") or {}
+    lines = [f"router in front of {count(len(hosts) + len(status.get('unanswered') or []), 'host')}:"]
+    for node, host in sorted(hosts.items()):
+        totals = (host.get("pool") or {}).get("totals") or {}
+        lines.append(f"  host {node} ({host.get('state') or 'unregistered'}): {totals.get('idle', 0)} idle, "
+                     f"{totals.get('busy', 0)} busy, {count(host.get('callsInFlight', 0), 'call')} in flight, "
+                     f"up {host.get('uptimeS', '?')} s")
+    for node in status.get("unanswered") or []:
+        lines.append(f"  host {node}: DID NOT ANSWER (check that it runs and its listener is reachable)")
+    return lines

@@ -253,7 +253,10 @@ def test_the_fleets_status_reads_as_one_daemons(short_dir: Path) -> None:
         assert status["pool"]["totals"]["busy"] == 2 and status["calls"] == {"ok": 4}
         assert status["limits"] == LIMITS and status["unanswered"] == ["c"]  # silent past 2 s
         assert set(status["hosts"]) == {"a", "b"}
-        assert "a@x.io: 1 idle" in format_status(status)  # `sandboxd status` reads it as a daemon's
+        text = format_status(status)
+        assert "a@x.io: 1 idle" in text  # `sandboxd status` reads it as a daemon's
+        assert "router in front of 3 hosts" in text and "host b (active): 1 idle, 2 busy" in text
+        assert "host c: DID NOT ANSWER" in text  # and says which host is silent
         view.hosts.clear()
         assert "0 idle" in format_status(await fleet.status(config, fleet.Asking(view, upstreams), connections=1,
                                                             in_flight=0, started_at=0.0))
