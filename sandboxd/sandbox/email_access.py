@@ -16,28 +16,21 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, get_args
 
-from sandboxd.tools.permissions import EmailAccess, Permissions
+from sandboxd.tools.permissions import OWNER_MARK, EmailAccess, Permissions, owner_suffix
 
 FULL_ACCESS: EmailAccess = "write"  # what a sandbox had before permissions, and what an undeclared tool keeps
-_MARK = " email:"  # never part of a user name (users.py: no spaces)
 _ACCESS = frozenset(get_args(EmailAccess))
 
 
 def owner(user: str, access: EmailAccess) -> str:
     """The pool's owner of a sandbox of ``user`` carrying ``access``."""
-    return user if access == FULL_ACCESS else f"{user}{_MARK}{access}"
+    return user + owner_suffix(access)
 
 
 def call_owner(user: str, permissions: Permissions, required: bool) -> str:
     """The owner whose sandbox may run a call of a tool with ``permissions``
-    (``required``: tools.require_permissions)."""
-    if permissions.declared:  # a declared block always holds its calls (Permissions.in_force)
-        access = permissions.email
-    elif required:
-        access = permissions.email_access(required)
-    else:
-        return user  # a tool without the block, as before
-    return user if access == FULL_ACCESS else f"{user}{_MARK}{access}"
+    (``required``: tools.require_permissions). A call itself adds its tool's ToolAccess.owner_suffix."""
+    return user + owner_suffix(permissions.email_access(required))
 
 
 def likely_owner(user: str, permissions: Iterable[Permissions], required: bool) -> str:
@@ -48,12 +41,12 @@ def likely_owner(user: str, permissions: Iterable[Permissions], required: bool) 
 
 def owner_user(key: str) -> str:
     """The user an owner belongs to."""
-    return key.split(_MARK, 1)[0]
+    return key.split(OWNER_MARK, 1)[0]
 
 
 def owner_access(key: str) -> EmailAccess:
     """The access an owner's sandboxes carry."""
-    access = key.partition(_MARK)[2]
+    access = key.partition(OWNER_MARK)[2]
     if not access:
         return FULL_ACCESS
     if access not in _ACCESS:

@@ -33,6 +33,8 @@ PERMISSION_KEYS = ("network", "env", "email", "browser")
 # The relay's variables come with ``browser: true``: a relay port without the relay is of no use.
 RELAY_ENV = frozenset({PORT_ENV, "OFFICER_BROWSER_RELAY_TOKEN"})
 MAX_ENTRIES = 64  # network entries or env names: a declaration, not a data set
+# The pool's owner of a sandbox carrying ``read`` or ``none`` is the user, this, and the access (sandbox/email_access.py).
+OWNER_MARK = " email:"  # never part of a user name (users.py: no spaces)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 Report = Callable[[str, str, str], None]  # (field, message, fix)
@@ -60,8 +62,7 @@ class Permissions:
 
     def call_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """The call's env with only the names the tool receives: the rest absent, never refused."""
-        names = self.env_names
-        return {name: value for name, value in env.items() if name in names}
+        return _only(env, self.env_names)
 
     def to_protocol(self) -> dict[str, Any] | None:
         """The ``permissions`` of a Tool object in tools/list (docs/protocol.md); None when undeclared."""
@@ -80,6 +81,43 @@ class Permissions:
         """The email database's access for a call: ``write`` (today's) for an undeclared tool unless required."""
         force = self.in_force(required)
         return "write" if force is None else force.email
+
+    def access_for(self, tool: str, required: bool) -> ToolAccess:
+        """What every call of ``tool`` gets (``required``: tools.require_permissions); made once per tool."""
+        force = self.in_force(required)
+        if force is None:
+            return ToolAccess()
+        return ToolAccess(force.email, force.env_names, force.browser, force.network_for(tool))
+
+
+@dataclass(frozen=True)
+class ToolAccess:
+    """What holds each call of one tool, worked out from its permissions once (Tool.accesses), not per call:
+    the email access of the sandbox that runs it, the env names it receives (None: every name), whether it
+    gets the browser relay, and where its egress may go (None: the policy alone). The defaults: no limit."""
+
+    email: EmailAccess = "write"
+    env_names: frozenset[str] | None = None
+    relay: bool = True
+    network: ToolNetwork | None = None
+    # Appended to the user: the pool's owner whose sandboxes carry ``email`` (sandbox/email_access.py).
+    owner_suffix: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "owner_suffix", owner_suffix(self.email))
+
+    def call_env(self, env: Mapping[str, str]) -> Mapping[str, str]:
+        """The call's env with only the names the tool receives: the rest absent, never refused."""
+        return env if self.env_names is None else _only(env, self.env_names)
+
+
+def owner_suffix(access: EmailAccess) -> str:
+    """What follows the user in the pool's owner of sandboxes carrying ``access``: nothing for ``write``."""
+    return "" if access == "write" else f"{OWNER_MARK}{access}"
+
+
+def _only(env: Mapping[str, str], names: frozenset[str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name in names}
 
 
 UNDECLARED = Permissions()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sandboxd.tools.manifest import Manifest
-from sandboxd.tools.permissions import Permissions
+from sandboxd.tools.permissions import Permissions, ToolAccess
 from sandboxd.tools.problem import Problem
 from sandboxd.tools.schema import ArgumentsCheck, input_schema, sensitive_names
 
@@ -33,6 +33,13 @@ class Tool:
     def permissions(self) -> Permissions:
         """Its TOOL.md's permissions block (tools/permissions.py); ``declared`` False without one."""
         return self.manifest.permissions
+
+    @cached_property
+    def accesses(self) -> tuple[ToolAccess, ToolAccess]:
+        """What each of its calls gets, without and with tools.require_permissions (indexed by it): worked
+        out once per tool, as a reload may turn the key on or off."""
+        permissions, name = self.manifest.permissions, self.name
+        return permissions.access_for(name, False), permissions.access_for(name, True)
 
     @cached_property
     def schema(self) -> dict[str, Any]:

@@ -105,6 +105,12 @@ def test_a_declaration_that_does_nothing_is_a_warning(block: str, warning: str) 
 # -- what the daemon hands a call (server/calls/runner.py), on the fake backend --------------------
 
 def request_for(block: str, env: dict[str, str], **tools: Any) -> tuple[CallRequest, CallGuard]:
+    request, guard, _ = requested(block, env, **tools)
+    return request, guard
+
+
+def requested(block: str, env: dict[str, str], **tools: Any) -> tuple[CallRequest, CallGuard, str]:
+    """The call's request, its guard, and the pool's owner whose sandbox runs it."""
     from sandboxd.config import load_config
     from sandboxd.sandbox.fake import FakeBackend
     from sandboxd.server.calls.params import CallParams
@@ -148,6 +154,23 @@ def test_require_permissions_gives_an_undeclared_tool_nothing() -> None:
     request, guard = request_for("", ENV, require_permissions=True)
     assert request.env == {} and not request.stand_ins and request.browser_relay is None
     assert guard.network is not None and guard.network.grant("anywhere.test", 443, frozenset({443})) is None
+
+
+def test_the_call_goes_to_the_owner_of_its_tool_s_email_access() -> None:
+    assert requested("", {})[2] == "u@example.com"  # undeclared: today's sandboxes
+    assert requested("", {}, require_permissions=True)[2] == "u@example.com email:none"
+    assert requested("permissions:\n  email: read\n", {})[2] == "u@example.com email:read"
+    assert requested("permissions:\n  email: write\n", {})[2] == "u@example.com"
+
+
+def test_a_tool_s_accesses_are_worked_out_once_not_per_call() -> None:
+    parsed, _ = parse_manifest_text("---\nname: demo\ndescription: D.\nversion: 1\npermissions:\n  network: [a.test]\n"
+                                    "---\n# D\n", PATH)
+    assert parsed is not None
+    tool = Tool(parsed, PATH.parent, PATH.parent / "index.ts", "user")
+    assert tool.accesses is tool.accesses and tool.accesses[True].network is tool.accesses[True].network
+    assert tool.accesses[False] == tool.accesses[True]  # a declared block holds its calls either way
+    assert tool.accesses[False].network == parsed.permissions.network_for("demo")
 
 
 def test_mcp_s_tools_list_carries_the_block_as_annotations_and_meta() -> None:

@@ -18,7 +18,6 @@ from sandboxd.logging import admitted, get_logger, secret_values, source
 from sandboxd.rules.browser_relay import relay_for_call
 from sandboxd.rules.secrets import NO_STAND_INS, StandIns
 from sandboxd.sandbox.backend import Backend, CallGuard, CallRequest, OutputLimits
-from sandboxd.sandbox.email_access import call_owner
 from sandboxd.sandbox.pool import Pool
 from sandboxd.server.calls.context import (CallContext, GraceExpired, Killed, ProgressBudget, ProgressCapExceeded,
                                           TimedOut)
@@ -157,12 +156,10 @@ class CallRunner:
         over_quota = self._over_quota
         if call.user in over_quota:  # 1: over quota (measured)
             self._refuse(call.user)
-        request, guard = self._request(call, secrets)
+        request, guard, owner = self._request(call, secrets)
         ctx.enter_queue()
         queued_at = time.monotonic()
-        # A sandbox carrying the tool's email access, and no other (sandbox/email_access.py).
-        pooled = await self.pool.acquire(call_owner(call.user, call.tool.permissions,
-                                                    self.config.tools.require_permissions))  # 2
+        pooled = await self.pool.acquire(owner)  # 2
         ctx.queue_wait_s = time.monotonic() - queued_at
         reusable = True  # a sandbox the quota check refuses ran nothing
         try:
@@ -210,20 +207,19 @@ class CallRunner:
         if note is not None:
             outcome["content"] = [*outcome["content"], *text(note)]
 
-    def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard]:
-        """What the shim is sent, and what the sandbox holds this call to."""
+    def _request(self, call: CallParams, secrets: frozenset[str]) -> tuple[CallRequest, CallGuard, str]:
+        """What the shim is sent, what the sandbox holds this call to, and the pool's owner whose sandbox runs it."""
         config = self.config
         tool = call.tool
-        # The tool's permissions block, when one holds the call (tools/permissions.py); None: no limit, as before.
-        permissions = tool.permissions.in_force(config.tools.require_permissions)
+        # What the tool's permissions give its calls, worked out once per tool (tools/permissions.py, ToolAccess).
+        access = tool.accesses[config.tools.require_permissions]
         # Names the tool does not declare are dropped, never refused: pi-bridge sends one env with every call.
-        env_in = call.env if permissions is None else permissions.call_env(call.env)
+        env_in = access.call_env(call.env) if call.env else call.env
         if env_in:
             # The sandbox holds stand-ins for egress.secrets, the egress proxy the values (rules/secrets.py).
             env, stand_ins = StandIns.for_call(env_in, config.egress.secrets)
             # Only a call whose env names the relay's port gets one (relay_for_call), and only for browser: true.
-            relay = (relay_for_call(config.integrations.relay, env_in) if permissions is None or permissions.browser
-                     else None)
+            relay = relay_for_call(config.integrations.relay, env_in) if access.relay else None
         else:  # most calls
             env, stand_ins, relay = {}, NO_STAND_INS, None
         calls = config.calls
@@ -231,10 +227,10 @@ class CallRunner:
             self._limits_of = calls
             self._limits = OutputLimits(calls.output_rate_bytes, calls.output_burst_bytes, calls.idle_output_bytes)
         # Positional: half the cost of keywords, and the names passed say which field is which.
-        request = CallRequest(call.tool_call_id, self.backend.entry_path(call.tool), call.arguments, env,
+        request = CallRequest(call.tool_call_id, self.backend.entry_path(tool), call.arguments, env,
                               calls.max_result_bytes, stand_ins, relay)
-        network = None if permissions is None else permissions.network_for(tool.name)
-        return request, CallGuard(self._limits, tool.name, secrets, network)
+        # A sandbox carrying the tool's email access, and no other (sandbox/email_access.py).
+        return request, CallGuard(self._limits, tool.name, secrets, access.network), call.user + access.owner_suffix
 
     def _stopped(self, exc: TimedOut | GraceExpired | Killed | SandboxFailed | ProgressCapExceeded, call: CallParams,
                  ctx: CallContext, started: float) -> dict[str, Any]:
