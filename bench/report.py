@@ -386,6 +386,12 @@ def _router_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]
         out.append((f"… the router beside its host's TLS listener, {q}", _ms(mine), f"the listener {_ms(base)}",
                     _x(ratio(mine, base)), "", "—"))
     out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
+    spread = r.get("spread")
+    if spread:
+        calls, hosts = spread["calls"], ", ".join(f"{node} {n}" for node, n in spread["per_host"].items())
+        out.append((f"{spread['users']} new users through the router, hosts from cold: the last answer",
+                    f"{spread['last_answer_s']:.1f} s", f"first calls p50 {_ms(calls.get('p50_ms'))} / p99 "
+                    f"{_ms(calls.get('p99_ms'))}; users per host {hosts}", "", "", "—"))
     return out
 
 

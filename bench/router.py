@@ -1,16 +1,23 @@
-"""A warm call through `sandboxd router` beside the same call sent to its host directly (docs/performance.md).
+"""A warm call through `sandboxd router` beside the same call sent to its host directly, and 100 new users
+spread over two hosts started from cold (docs/performance.md).
 
 A test etcd, two hosts with mutual-TLS listeners (certificates made with openssl), one router;
 the user's calls alternate in rounds between the router's socket, their home host's socket, and
 the home host's TLS listener (with the router's certificate: the hop the router cannot avoid),
 so all three share the machine's state. The router's CPU per call is its process's, over its rounds.
+Before that, while the hosts hold no sandbox, ``SPREAD_USERS`` new users call once each through the router
+(``SPREAD_CALLERS`` at a time): the time to the last answer, each first call's latency, and the users per
+host their homes in etcd say.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import ssl
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +27,9 @@ from bench.stats import summarize
 from bench.wire import LineSocket
 
 ROUNDS = 5
+SPREAD_USERS = 100
+SPREAD_CALLERS = 16  # clients calling at once, each its share of the new users one after another
+HOST_POOL = "pool:\n  min_idle: 0\n  max_total: 16\n"  # small: a 2-core machine starts ~100 sandboxes in a minute
 
 
 class TlsLines(LineSocket):
@@ -49,15 +59,18 @@ def router_cost(root: Path, run_id: str, image: str, *, calls: int, say: Callabl
     try:
         for name, cert in (("a", certs.node_a), ("b", certs.node_b)):
             config, addresses[name] = host_config(name, etcd.url, cert, lease_s=5,  # the default: 2 s fenced a busy host
-                                                  extra=f"sandbox:\n  image: {image}\n")
+                                                  base=HOST_POOL, extra=f"sandbox:\n  image: {image}\n")
             hosts[name] = d.BenchDaemon(root / name, config, fresh_tools=0)
             hosts[name].start()
         router.start()
+        say(f"{SPREAD_USERS} new users through the router, over two hosts started from cold ({SPREAD_CALLERS} at a time)")
+        spread = cold_spread(router.socket, [f"spread-{run_id}-{i}@bench.example" for i in range(SPREAD_USERS)],
+                             homes=lambda: _homes(etcd))
         user = f"router-{run_id}@bench.example"
         say(f"a warm call through the router beside its host directly ({calls} calls each, {ROUNDS} rounds)")
         tls = client_context(ClusterTLS(cert=certs.router.cert, key=certs.router.key, ca=certs.router.ca))
-        return _alternate(router, hosts, user, calls, router_pid=router.proc.pid if router.proc else 0,
-                          over_tls=lambda home: TlsLines(addresses[home], tls))
+        return {**_alternate(router, hosts, user, calls, router_pid=router.proc.pid if router.proc else 0,
+                             over_tls=lambda home: TlsLines(addresses[home], tls)), "spread": spread}
     finally:
         router.stop()
         for host in hosts.values():
@@ -96,3 +109,44 @@ def _alternate(router: Any, hosts: dict[str, d.BenchDaemon], user: str, calls: i
         via.close()
     return {"direct": summarize(straight), "tls": summarize(listener), "router": summarize(routed),
             "router_cpu_us_per_call": 1e6 * cpu_s / len(routed), "home": home}
+
+
+def cold_spread(router_socket: Path, users: list[str], *, homes: Callable[[], dict[str, str]]) -> dict[str, Any]:
+    """Each of ``users`` calls once through the router, ``SPREAD_CALLERS`` clients at a time: the time from the
+    first call to the last answer, the calls' latencies, and how many users each host got (their homes)."""
+    shares = [users[i::SPREAD_CALLERS] for i in range(SPREAD_CALLERS)]
+    latencies: list[float] = []
+    failures: list[bytes] = []
+    lock = threading.Lock()
+
+    def caller(share: list[str]) -> None:
+        conn = LineSocket(str(router_socket))
+        try:
+            for user in share:
+                elapsed, line = d._call(conn, daemon_call_line(user), 1)
+                with lock:
+                    (latencies.append(elapsed) if b'"status":"ok"' in line else failures.append(line[:400]))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=caller, args=(share,)) for share in shares]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(users)} first calls through the router failed: {failures[0]!r}")
+    per_host: dict[str, int] = {}
+    for user, node in homes().items():
+        if user in users:
+            per_host[node] = per_host.get(node, 0) + 1
+    return {"users": len(users), "callers": SPREAD_CALLERS, "last_answer_s": elapsed, "calls": summarize(latencies),
+            "per_host": dict(sorted(per_host.items()))}
+
+
+def _homes(etcd: Any) -> dict[str, str]:
+    """user → home host, as the directory in etcd says (keys and values on alternate lines)."""
+    lines = etcd.ctl("get", "--prefix", "/sandboxd/users/").stdout.splitlines()
+    return {key.rsplit("/", 1)[-1]: json.loads(value).get("node") for key, value in zip(lines[::2], lines[1::2])}
