@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -95,6 +96,19 @@ class Stack:
         if host is None:
             return self.swarm.manager.root / "run" / "sandboxd-router" / "sandboxd.sock"
         return host.root / "run" / "sandboxd" / "sandboxd.sock"
+
+    def data(self, host: Host) -> Path:
+        """``host``'s data path as this process sees it (each host's own folder behind the shared path)."""
+        return host.root / "data"
+
+    def host(self, name: str) -> Host:
+        return next(host for host in self.swarm.hosts if host.name == name)
+
+    def install_tools(self, *names: str) -> None:
+        """tests/e2e/tools' ``names`` into every host's global tools, which the daemons discover live."""
+        for host in self.swarm.hosts:
+            for name in names:
+                shutil.copytree(REPO / "tests" / "e2e" / "tools" / name, self.data(host) / "tools" / name, dirs_exist_ok=True)
 
     def hello(self, host: Host | None, user: str) -> str:
         """``user``'s hello answered by ``host``'s daemon (None: through the router): the text; a refusal raises RpcError."""

@@ -2,25 +2,32 @@
 
 deploy.sh deploys the stack; etcd's three pinned members form one cluster; every host's sandboxd
 registers itself and serves the users it claimed, its sandboxes on its own engine; one router
-socket answers nine new users placed over the hosts, and the users claimed on each host;
-`sandboxd nodes drain` moves host 2's users while their calls through the router see only ok or
-moving; a host
+socket answers nine new users placed over the hosts, and the users claimed on each host; each
+host's progress stream and a cancel pass through it; `sandboxd nodes drain` moves host 2's users,
+every file's sha256 intact, while their calls through the router see only ok or moving; a host
 cut off (its link down) answers `fenced` within lease_s + 1 s and serves again once healed; a
 host whose engine dies is `node_down` for the others and through the router within lease_s + 1 s,
-and the other hosts' users are still served. The tests run in this order on one stack: the
-last two take host 3 away.
+and the other hosts' users are still served, their p99 within 3x their quiet one. The tests run
+in this order on one stack: the last two take host 3 away.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import math
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from sandboxd.client import RpcError
+from sandboxd.client import Client, RpcError
+from sandboxd.wire import cancelled, request
 from tests.e2e.hostile_harness import wait_until
 from tests.swarm.harness import Host
 from tests.swarm.stack import LEASE_S, Stack
@@ -30,6 +37,8 @@ pytestmark = pytest.mark.docker
 USERS = [f"user{i}@example.com" for i in range(9)]
 ROUTED = [f"routed{i}@example.com" for i in range(9)]  # first asked through the router, which places them
 ETCD = "--endpoints=http://etcd1:2379,http://etcd2:2379,http://etcd3:2379"
+QUIET_S = 4.0  # the other users' quiet window before host 3's engine is killed
+P99_RATIO, P99_FLOOR_S = 3.0, 0.1  # their p99 while it dies: within 3x the quiet one, plus a floor for a shared machine
 
 
 def home(stack: Stack, user: str) -> Host:
@@ -80,10 +89,38 @@ def test_swarm_router_answers_nine_users_spread_over_the_hosts(stack: Stack) -> 
         assert stack.hello(None, user) == f"Hello, {user}!"
 
 
+def test_swarm_router_passes_each_hosts_progress_stream_and_a_cancel_through(stack: Stack) -> None:
+    stack.install_tools("progress", "announcer")
+    with Client(stack.socket(None), timeout=60) as client:
+        for host in stack.swarm.hosts:  # one user on each host: each stream crosses that host's listener
+            client.send(request("p", "tools/call", {"user": users_of(stack, host)[0], "name": "progress",
+                                                     "arguments": {"steps": 3}, "_meta": {"progressToken": "mine"}}))
+            heard = []
+            while "id" not in (message := client.read_message()):
+                heard.append((message["params"]["progressToken"], message["params"]["progress"]))
+            assert message["id"] == "p" and message["result"]["status"] == "ok", message
+            assert heard == [("mine", 1), ("mine", 2), ("mine", 3)], f"{host.name}'s stream: {heard}"
+        # announcer says "running" (the tool runs on host 2), then sleeps until its AbortSignal fires.
+        client.send(request(9, "tools/call", {"user": users_of(stack, stack.swarm.hosts[1])[0], "name": "announcer",
+                                              "arguments": {"ms": 60_000}}))
+        assert client.read_message()["method"] == "notifications/progress"
+        started = time.monotonic()
+        client.send(cancelled(9, "the test changed its mind"))
+        answer = client.read_message()
+        cancel_s = time.monotonic() - started
+    assert answer["id"] == 9 and answer["result"]["status"] == "cancelled", answer
+    # The tool's own answer: its AbortSignal fired on host 2, with the client's reason (not a stand-in's refusal).
+    assert answer["result"]["details"]["aborted"] is True, answer
+    assert "the test changed its mind" in answer["result"]["details"]["reason"], answer
+    assert cancel_s < 10, f"cancelled after {cancel_s:.1f} s: the 60-s sleep ran, not the AbortSignal"
+    print(f"\nswarm: a cancel through the router answered cancelled in {cancel_s:.2f} s")
+
+
 def test_swarm_drain_moves_a_hosts_users_while_the_router_serves_them(stack: Stack) -> None:
     first, second, third = stack.swarm.hosts
     leaving = [user for user in USERS + ROUTED if stack.where(user) == second.name]
     assert leaving, "no user lives on host 2"
+    files = {user: _give_files(stack.data(second) / user) for user in leaving}
     outcomes: list[str] = []
     stop = threading.Event()
 
@@ -104,6 +141,8 @@ def test_swarm_drain_moves_a_hosts_users_while_the_router_serves_them(stack: Sta
     for user in leaving:
         assert stack.where(user) in (first.name, third.name)
         assert stack.hello(None, user) == f"Hello, {user}!"
+        moved = _checksums(stack.data(stack.host(stack.where(user))) / user, files[user])
+        assert moved == files[user], f"{user}'s files changed in the move"
     print(f"\nswarm: {second.name} drained: {len(leaving)} users moved, {len(outcomes)} calls meanwhile, "
           f"{outcomes.count('moving')} answered moving")
 
@@ -138,14 +177,26 @@ def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack
                "every sandboxd to be healthy and host 3 to serve again after Swarm replaced its tasks", interval=1.0)
     _etcd_leader_off(stack, third)  # a new etcd leader renews every lease in full: host 3's would outlive lease_s
     homes = {user: stack.where(user) for user in USERS + ROUTED}
+    others = [user for user, home_name in homes.items() if home_name != third.name]
     assert stack.hello(third, victim)
-    killed = time.monotonic()
-    stack.swarm.kill_engine(third)
-    gone_s = time.monotonic() - killed
-    wait_until(lambda: stack.refused_with(first, victim, "node_down"), LEASE_S + 1 - gone_s,
-               f"{victim}, whose host {third.name} died, to be node_down on {first.name} within lease_s + 1 s")
-    down_s = time.monotonic() - killed
+    quiet_until = time.monotonic() + QUIET_S
+    quiet = _timed_calls(stack, others, lambda: time.monotonic() >= quiet_until)
+    window = threading.Event()
+    with ThreadPoolExecutor(1) as pool:  # the other users' calls through the router, from the kill to lease_s + 1 s
+        during = pool.submit(_timed_calls, stack, others, window.is_set)
+        killed = time.monotonic()
+        stack.swarm.kill_engine(third)
+        gone_s = time.monotonic() - killed
+        wait_until(lambda: stack.refused_with(first, victim, "node_down"), LEASE_S + 1 - gone_s,
+                   f"{victim}, whose host {third.name} died, to be node_down on {first.name} within lease_s + 1 s")
+        down_s = time.monotonic() - killed
+        time.sleep(max(0.0, killed + LEASE_S + 1 - time.monotonic()))
+        window.set()
+        dying = during.result(timeout=120)
     assert down_s <= LEASE_S + 1, f"node_down {down_s:.1f} s after the kill"
+    assert len(quiet) >= 20 and len(dying) >= 20, f"too few calls to measure: {len(quiet)} quiet, {len(dying)} meanwhile"
+    assert _p99(dying) <= P99_RATIO * _p99(quiet) + P99_FLOOR_S, (
+        f"the other users' p99 went from {_p99(quiet) * 1e3:.0f} ms to {_p99(dying) * 1e3:.0f} ms while {third.name} died")
     assert stack.refusal(second, victim) == {"reason": "node_down", "node": third.name}
     through_router = stack.refusal(None, victim)
     assert (through_router["reason"], through_router["node"]) == ("node_down", third.name), through_router
@@ -156,7 +207,8 @@ def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack
             assert stack.hello(None, user) == f"Hello, {user}!"
     manager = first.docker("node", "inspect", "-f", "{{.Status.State}}", third.name)
     print(f"\nswarm: {third.name}'s engine killed (every process gone {gone_s:.1f} s later): its users node_down "
-          f"after {down_s:.1f} s; Swarm says the host is {manager}")
+          f"after {down_s:.1f} s; Swarm says the host is {manager}; the other users' p99 through the router "
+          f"{_p99(quiet) * 1e3:.0f} ms quiet ({len(quiet)} calls), {_p99(dying) * 1e3:.0f} ms while it died ({len(dying)} calls)")
 
 
 def _no_user_on_two_hosts_at_once(stack: Stack) -> None:
@@ -170,6 +222,44 @@ def _no_user_on_two_hosts_at_once(stack: Stack) -> None:
         for (start, end, host), (other_start, other_end, other) in itertools.combinations(served, 2):
             apart = end <= other_start or other_end <= start
             assert host == other or apart, f"{user} served by {host} and {other} at once: {sorted(served)}"
+
+
+def _give_files(folder: Path) -> dict[str, str]:
+    """A few files of random bytes in a user's folder, owned as the folder is: each one's sha256 by its path."""
+    owner = folder.stat()
+    written = {}
+    for name, size in (("notes/a.txt", 1000), ("notes/b.txt", 7000), ("data/big.bin", 512 * 1024), ("empty", 0)):
+        path = folder / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        for made in (path.parent, path):
+            os.chown(made, owner.st_uid, owner.st_gid)
+        written[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return written
+
+
+def _checksums(folder: Path, files: dict[str, str]) -> dict[str, str]:
+    """The sha256 of each of ``files`` in ``folder`` ('missing' for one that is not there)."""
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else "missing"
+            for name in files}
+
+
+def _timed_calls(stack: Stack, users: list[str], done: Callable[[], bool]) -> list[float]:
+    """Warm hello calls of ``users`` through the router on one connection, one after another until ``done()``: seconds each."""
+    seconds: list[float] = []
+    with Client(stack.socket(None), timeout=60) as client:
+        for user in itertools.cycle(users):
+            if done():
+                return seconds
+            started = time.monotonic()
+            result = client.call_tool(user, "hello", {"name": user})
+            seconds.append(time.monotonic() - started)
+            assert result["isError"] is False, f"{user}: {result}"
+    return seconds
+
+
+def _p99(seconds: list[float]) -> float:
+    return sorted(seconds)[math.ceil(0.99 * len(seconds)) - 1]
 
 
 def _outcome(stack: Stack, user: str) -> str:
