@@ -18,7 +18,7 @@ import pytest
 
 from sandboxd.async_client import AsyncClient
 from sandboxd.client import Client
-from sandboxd.router.rendezvous import place
+from sandboxd.cluster.rendezvous import place
 from sandboxd.wire import RpcError, cancelled, request
 from tests.cluster.certs import ClusterCerts, make_certs
 from tests.cluster.etcd import Etcd
