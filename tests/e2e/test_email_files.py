@@ -33,10 +33,17 @@ ONE_SANDBOX = "pool:\n  max_per_user: 1\n"
 OPEN = "import os, sqlite3, time\ndb = sqlite3.connect(os.environ['OFFICER_EMAIL_DB'], isolation_level=None, timeout=10)\n"
 
 
+# The hostname of the sandbox a tool declaring `email: read` runs in: email_db's own (a sandbox carries one email access).
+READ_HOST_TOOL = "import { hostname } from 'node:os';\nexport async function execute() { return { content: [{ type: 'text', text: hostname() }] }; }\n"
+
+
 def started(make_daemon: Any, config: str = ONE_SANDBOX) -> Daemon:
     daemon = make_daemon(config, start=False)
     write_tool(daemon.data / "tools", "sqlite_script", PYTHON_SCRIPT_TOOL,
                inputs="  script:\n    type: string\n    description: Python to run.\n")
+    read_host = write_tool(daemon.data / "tools", "read_host", READ_HOST_TOOL)
+    manifest = read_host / "TOOL.md"
+    manifest.write_text(manifest.read_text().replace("version: 1\n", "version: 1\npermissions:\n  email: read\n", 1))
     return daemon.start()
 
 
@@ -71,7 +78,13 @@ def sandbox_sql(client: Client, script: str, user: str = A) -> str:
 
 
 def sandbox_host(client: Client, user: str = A) -> str:
-    """The hostname of the sandbox serving the user: its container. (Opens no database: that would make one.)"""
+    """The hostname of the sandbox serving the user's `email: read` tools (email_db's): its container.
+    (Opens no database: that would make one.)"""
+    return ok(client.call_tool(user, "read_host", {}))
+
+
+def writer_host(client: Client, user: str = A) -> str:
+    """The hostname of the sandbox serving sqlite_script, a tool without a permissions block (email read-write)."""
     return ok(client.call_tool(user, "sqlite_script", {"script": "import socket; print(socket.gethostname())"}))
 
 
@@ -132,10 +145,10 @@ def test_a_database_made_after_the_sandbox_started_is_seen_at_its_next_call(make
         sync.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, subject TEXT)")
         add_messages(sync, "hello", "again")
         assert "messages: 2 rows" in ok(client.call_tool(A, "email_db", {"action": "stats"}))
+        assert sandbox_host(client) == warm  # the sandbox that started before the database was made
         # ... and the sandbox uid may write it (the folder's default ACL, the file's mode 0660).
         assert sandbox_sql(client, "db.execute(\"INSERT INTO messages (subject) VALUES ('reply')\")\n"
                                    "print('written')") == "written"
-        assert sandbox_host(client) == warm
     assert sync.execute("SELECT count(*) FROM messages").fetchone() == (3,)
     sync.close()
 
@@ -161,7 +174,7 @@ def test_a_write_killed_half_way_is_rolled_back_by_the_next_opener(make_daemon: 
     script = ("db.execute('PRAGMA cache_size=5')\ndb.execute('BEGIN')\n"
               "db.execute('UPDATE messages SET body = lower(body)')\nprint('spilled', flush=True)\ntime.sleep(3600)\n")
     with daemon.client() as client:
-        doomed = sandbox_host(client)
+        doomed = writer_host(client)
         result = client.call_tool(A, "sqlite_script", {"script": OPEN + script}, timeoutMs=6000)
     assert result["status"] == "timeout", result
     wait_until(lambda: not any(c["Id"].startswith(doomed) for c in daemon.containers(docker_api)), 30,
