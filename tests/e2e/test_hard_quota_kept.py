@@ -40,16 +40,16 @@ storage:
   quota_inodes: 2000
 """
 
-# Writes 1-MiB chunks with fsync until `mib` or an error: how many went in, and the error (libuv has no name for EDQUOT).
+# Writes `mib` 1-MiB chunks, each led by its own byte (checksums tell them apart), fsynced, until an error (libuv has no name for EDQUOT).
 FILL = """
 import { closeSync, fsyncSync, openSync, writeSync } from 'node:fs';
 export async function execute(_id: string, params: { file: string; mib: number }) {
-  const chunk = Buffer.alloc(1 << 20, 120);
+  const chunk = Buffer.alloc(1 << 20, 97);
   let written = 0;
   let fd = -1;
   try {
     fd = openSync(`/officer/user/${params.file}`, 'w');
-    for (; written < params.mib; written++) { writeSync(fd, chunk); fsyncSync(fd); }
+    for (; written < params.mib; written++) { chunk[0] = written & 255; writeSync(fd, chunk); fsyncSync(fd); }
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).errno === -122 ? 'EDQUOT' : (e as NodeJS.ErrnoException).code;
     return { content: [{ type: 'text', text: `wrote ${written} MiB then ${code}` }], isError: true };
@@ -59,7 +59,6 @@ export async function execute(_id: string, params: { file: string; mib: number }
 """
 FILL_INPUTS = ("  file:\n    type: string\n    description: A file name.\n"
                "  mib:\n    type: number\n    description: MiB to write.\n")
-
 
 def _written(message: str) -> int:
     assert message.startswith("wrote "), message

@@ -29,6 +29,7 @@ from sandboxd.storage.transfer.export import stream, take_snapshot
 from sandboxd.config import Config, StorageConfig
 
 from tests.e2e.conftest import Daemon, write_tool
+from tests.e2e.test_hard_quota_kept import FILL, FILL_INPUTS
 from tests.loopfs import MIB, loop_devices_usable, loop_filesystem
 from tests.unit.test_users_transfer import CASES, USER, hostile, make_user, members
 
@@ -46,25 +47,6 @@ storage:
   quota_inodes: 5000
 """
 
-# Writes `mib` 1-MiB chunks of one byte value, fsynced, until an error (libuv has no name for EDQUOT).
-FILL = """
-import { closeSync, fsyncSync, openSync, writeSync } from 'node:fs';
-export async function execute(_id: string, params: { file: string; mib: number }) {
-  const chunk = Buffer.alloc(1 << 20, 97);
-  let written = 0;
-  let fd = -1;
-  try {
-    fd = openSync(`/officer/user/${params.file}`, 'w');
-    for (; written < params.mib; written++) { chunk[0] = written & 255; writeSync(fd, chunk); fsyncSync(fd); }
-  } catch (e) {
-    const code = (e as NodeJS.ErrnoException).errno === -122 ? 'EDQUOT' : (e as NodeJS.ErrnoException).code;
-    return { content: [{ type: 'text', text: `wrote ${written} MiB then ${code}` }], isError: true };
-  } finally { if (fd >= 0) closeSync(fd); }
-  return { content: [{ type: 'text', text: `wrote ${written} MiB` }] };
-}
-"""
-FILL_INPUTS = ("  file:\n    type: string\n    description: A file name.\n"
-               "  mib:\n    type: number\n    description: MiB to write.\n")
 MOVED = "moved@example.com"
 
 
