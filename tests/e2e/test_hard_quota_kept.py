@@ -199,6 +199,11 @@ def test_a_conversion_longer_than_a_sandbox_start_fails_that_call_and_a_later_on
         with open(big / "blob", "wb") as blob:
             for _ in range(400):
                 blob.write(os.urandom(MIB))
+        # Thousands of files too: the copy's time is per file as well, so a fast disk cannot finish it within 1 s.
+        for folder in range(30):
+            (big / f"many{folder}").mkdir()
+            for index in range(1000):
+                (big / f"many{folder}" / str(index)).write_bytes(b"x" * 100)
         os.sync()
         daemon.start()
         try:
@@ -212,6 +217,7 @@ def test_a_conversion_longer_than_a_sandbox_start_fails_that_call_and_a_later_on
                 f"the premise: a copy longer than the start's 1 s ({first})"
             assert served == "wrote 1 MiB", served
             assert _is_subvolume(big) and os.path.getsize(big / "blob") == 400 * MIB
+            assert len(os.listdir(big / "many29")) == 1000
         finally:
             daemon.stop()
 
