@@ -8,6 +8,7 @@ of SIGCONT; a host killed: its users are `node_down` on the other within lease_s
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import signal
@@ -90,20 +91,36 @@ FULL_POOL = ("pool:\n  min_idle: 0\n  max_total: 1\n  reserve: 0\n  acquire_time
 
 def test_two_hosts_claiming_one_new_user_at_once_one_wins_every_time(make_hosts: Any, etcd: Etcd) -> None:
     hosts = dict(zip("ab", make_hosts(["a", "b"], lease_s=LEASE_S, config=FULL_POOL)))
-    holders = []
-    for name, host in hosts.items():
-        holder = host.client()
-        holder.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                     "params": {"user": f"holder-{name}@example.com", "name": "sleeper", "arguments": {"ms": 600_000}}})
-        holders.append(holder)
-    for name, host in hosts.items():
-        wait_until(lambda: _calls_in_flight(host) == 1, 30, f"{name}'s only sandbox held")
+    holders = [_hold(name, host) for name, host in hosts.items()]
     try:
         for attempt in range(100):
             _race(hosts, f"new{attempt}@example.com", etcd, attempt)
     finally:
         for holder in holders:
             holder.close()
+
+
+def _hold(name: str, host: Daemon) -> Any:
+    """A client whose sleeping call holds the host's one sandbox. The first call's 50-ms queue ends before the
+    sandbox has started (-32001); the sandbox starts on and is idle for the next call, which holds it."""
+    holder = host.client(timeout=1)  # the timeout bounds each read of an early answer below
+    deadline = time.monotonic() + 60
+    for attempt in itertools.count(1):
+        holder.send({"jsonrpc": "2.0", "id": attempt, "method": "tools/call",
+                     "params": {"user": f"holder-{name}@example.com", "name": "sleeper", "arguments": {"ms": 600_000}}})
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            try:
+                answer = holder.read_message()
+            except TimeoutError:  # no answer: a call still queued, or the one that holds the sandbox
+                if _calls_in_flight(host) == 1:
+                    return holder
+        if answer is None or answer.get("error", {}).get("code") != -32001:
+            holder.close()
+            raise AssertionError(f"{name}'s only sandbox not held within 60 s; the holder's call: {answer}\n"
+                                 f"{host.log()}")
+        time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def _calls_in_flight(host: Daemon) -> int:
