@@ -138,11 +138,19 @@ class Stack:
         listed = json.loads(self.exec(host, "sandboxd", "sandboxd", "nodes", "list", "--json"))
         return {node["node"]: node for node in listed["nodes"]}
 
+    def containers(self, host: Host, service: str) -> list[str]:
+        """Every task container of ``service`` on ``host``, running or exited, as `docker ps -a` lists them."""
+        found = host.docker("ps", "-a", "--format", "{{.ID}} {{.Status}}",
+                            "--filter", f"label=com.docker.swarm.service.name={STACK}_{service}", check=False)
+        return found.splitlines()
+
     def served(self, host: Host) -> list[dict[str, Any]]:
-        """``host``'s daemon's call_served lines: (user, epoch, start, end) of the calls it ran."""
-        logs = subprocess.run(["docker", "-H", host.docker_host, "logs", self.container(host, "sandboxd")],
-                              capture_output=True, text=True, timeout=60)
-        lines = [json.loads(line) for line in (logs.stdout + logs.stderr).splitlines() if '"call_served"' in line]
+        """``host``'s daemons' call_served lines, of every task container it ran: (user, epoch, start, end)."""
+        lines = []
+        for container in self.containers(host, "sandboxd"):
+            logs = subprocess.run(["docker", "-H", host.docker_host, "logs", container.split()[0]],
+                                  capture_output=True, text=True, timeout=60)
+            lines += [json.loads(line) for line in (logs.stdout + logs.stderr).splitlines() if '"call_served"' in line]
         return [line for line in lines if line.get("event") == "call_served"]
 
     def operator(self, host: Host, *command: str) -> str:
