@@ -3,7 +3,7 @@
 They read and write the directory in etcd and dial the hosts' cluster listeners with the
 certificate of the `cluster:` section of --config (an operator's, `node` left out). Results
 (a line per user moved) go to stdout, errors to stderr. Exit status: 0 done, 1 a move failed
-(the user stays where they were, served), 2 usage, or etcd or a host did not answer.
+(the user stays where they were, served) or etcd or a host did not answer, 2 usage.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def add_commands(node_commands: argparse._SubParsersAction, user_commands: argpa
                     "have host NODE pull their export from their host and check every file's sha256, then name NODE "
                     "their home in one transaction. A move that fails at any step leaves the user where they were, "
                     "served, and says which step and why. Stop the user's mail sync first (docs/scale.md, \"Moves "
-                    "and drains\"). Exit status: 0 moved, 1 not moved, 2 usage or etcd/host unreachable.")
+                    "and drains\"). Exit status: 0 moved, 1 not moved or etcd or a host unreachable, 2 usage.")
     moving.add_argument("user", type=user_argument, metavar="USER", help="the user (an email address)")
     target = moving.add_mutually_exclusive_group(required=True)
     target.add_argument("--to", metavar="NODE", help="the host to move them to (sandboxd nodes list)")
@@ -44,7 +44,7 @@ def add_commands(node_commands: argparse._SubParsersAction, user_commands: argpa
         description="Mark NODE draining (no new user is placed on it; the mark outlives its restarts), then move "
                     "its users one by one to the host rendezvous hashing picks among the active ones, a line per "
                     "user. Callers of a user being moved get `moving` (a router waits). Exit status: 0 every user "
-                    "moved, 1 some were not (each told; they stay on NODE, served), 2 usage or etcd unreachable.")
+                    "moved, 1 some were not (each told; they stay on NODE, served) or etcd unreachable, 2 usage.")
     draining.add_argument("node", metavar="NODE", help="the host to drain")
     _flags(draining)
     draining.set_defaults(handler=drain_command)
@@ -52,7 +52,7 @@ def add_commands(node_commands: argparse._SubParsersAction, user_commands: argpa
     undraining = node_commands.add_parser(
         "undrain", parents=[parent], help="let new users be placed on NODE again",
         description="Clear NODE's drain mark: it is active again. Users moved off it stay where they are. "
-                    "Exit status: 0, 1 NODE is not registered (the mark is cleared anyway), 2 usage or etcd.")
+                    "Exit status: 0, 1 NODE is not registered (the mark is cleared anyway) or etcd unreachable, 2 usage.")
     undraining.add_argument("node", metavar="NODE", help="the host")
     undraining.add_argument("--json", action="store_true", help="print {node, state, registered}")
     undraining.set_defaults(handler=undrain_command)
@@ -66,7 +66,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run(config: Config, work: Callable[[Any, Any], Awaitable[int]]) -> int:
-    """``work(directory, dial)`` with the cluster: section's etcd and certificate; etcd's silence is exit 2."""
+    """``work(directory, dial)`` with the cluster: section's etcd and certificate; etcd's silence is exit 1, as
+    for `nodes list` (cluster_cmds.py): the command was right, the cluster did not answer."""
     from sandboxd.cluster.dial import DialFailed, connect_node
     from sandboxd.cluster.directory import Directory, DirectoryUnavailable
 
@@ -91,7 +92,7 @@ def _run(config: Config, work: Callable[[Any, Any], Awaitable[int]]) -> int:
     try:
         return asyncio.run(run())
     except (DirectoryUnavailable, DialFailed) as exc:
-        return fail(str(getattr(exc, "message", exc)), EXIT_USAGE)
+        return fail(str(getattr(exc, "message", exc)), EXIT_FAILURE)
 
 
 def _say(args: argparse.Namespace, line: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""`sandboxd nodes list` and `users where` when they cannot answer: the exit status and what stderr says."""
+"""The cluster's commands when they cannot answer: the exit status and what stderr says."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ def test_without_a_cluster_section_it_is_a_usage_error(tmp_path: Path, capsys: p
     assert "no cluster: section" in capsys.readouterr().err
 
 
-def test_an_etcd_that_does_not_answer_is_named_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", [["users", "where", "alice@example.com"], ["nodes", "list"], ["nodes", "drain", "a"],
+                                     ["nodes", "undrain", "a"], ["users", "move", "alice@example.com", "--to", "b"]])
+def test_an_etcd_that_does_not_answer_is_named_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           command: list[str]) -> None:
     url = f"http://127.0.0.1:{_closed_port()}"
     config = tmp_path / "config.yaml"
     config.write_text(f"cluster:\n  etcd: [{url}]\n  tls: {{cert: c.pem, key: k.pem, ca: ca.pem}}\n")
-    assert main(["users", "where", "alice@example.com", "--config", str(config)]) == 1
+    assert main([*command, "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert url in err and "check that etcd runs there" in err
