@@ -385,6 +385,10 @@ def _router_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]
         mine, base = r["router"].get(f"{q}_ms"), r["tls"].get(f"{q}_ms")
         out.append((f"… the router beside its host's TLS listener, {q}", _ms(mine), f"the listener {_ms(base)}",
                     _x(ratio(mine, base)), "", "—"))
+    for q in ("p50", "p99") if r.get("relay") else ():
+        mine, base, direct = r["router"].get(f"{q}_ms"), r["relay"].get(f"{q}_ms"), r["direct"].get(f"{q}_ms")
+        out.append((f"… the router beside a relay floor (socat: bytes only, the same TLS hop), {q}", _ms(mine),
+                    f"the relay {_ms(base)} ({_x(ratio(base, direct))} direct)", _x(ratio(mine, base)), "", "—"))
     out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
     spread = r.get("spread")
     if spread:

@@ -3,8 +3,9 @@ spread over two hosts started from cold (docs/performance.md).
 
 A test etcd, two hosts with mutual-TLS listeners (certificates made with openssl), one router;
 the user's calls alternate in rounds between the router's socket, their home host's socket, and
-the home host's TLS listener (with the router's certificate: the hop the router cannot avoid),
-so all three share the machine's state. The router's CPU per call is its process's, over its rounds.
+the home host's TLS listener (with the router's certificate: the hop the router cannot avoid), and
+a relay floor, socat passing the bytes to that listener (what any router costs at least, in C),
+so all four share the machine's state. The router's CPU per call is its process's, over its rounds.
 Before that, while the hosts hold no sandbox, ``SPREAD_USERS`` new users call once each through the router
 (``SPREAD_CALLERS`` at a time): the time to the last answer, each first call's latency, and the users per
 host their homes in etcd say.
@@ -13,9 +14,12 @@ host their homes in etcd say.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -69,8 +73,10 @@ def router_cost(root: Path, run_id: str, image: str, *, calls: int, say: Callabl
         user = f"router-{run_id}@bench.example"
         say(f"a warm call through the router beside its host directly ({calls} calls each, {ROUNDS} rounds)")
         tls = client_context(ClusterTLS(cert=certs.router.cert, key=certs.router.key, ca=certs.router.ca))
-        return {**_alternate(router, hosts, user, calls, router_pid=router.proc.pid if router.proc else 0,
-                             over_tls=lambda home: TlsLines(addresses[home], tls)), "spread": spread}
+        with RelayFloor(root / "relay", addresses, certs.router) as relay:
+            return {**_alternate(router, hosts, user, calls, router_pid=router.proc.pid if router.proc else 0,
+                                 over_tls=lambda home: TlsLines(addresses[home], tls), relay=relay),
+                    "spread": spread}
     finally:
         router.stop()
         for host in hosts.values():
@@ -78,37 +84,72 @@ def router_cost(root: Path, run_id: str, image: str, *, calls: int, say: Callabl
         etcd.stop()
 
 
+class RelayFloor:
+    """The floor of any router: socat (C, no parsing) relaying a unix connection's bytes to a host's TLS listener
+    with the router's certificate. One forked socat per connection, each with its own TLS connection."""
+
+    def __init__(self, folder: Path, addresses: dict[str, str], cert: Any) -> None:
+        self.folder, self.addresses, self.cert = folder, addresses, cert
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> RelayFloor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            os.killpg(proc.pid, signal.SIGKILL)  # the listener and the child it forked for the connection
+            proc.wait()
+
+    def connect(self, home: str) -> LineSocket | None:
+        """A connection through a relay to ``home``'s listener; None without socat."""
+        if shutil.which("socat") is None:
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{home}.sock"
+        host, _, port = self.addresses[home].rpartition(":")
+        tls = (f"OPENSSL-CONNECT:{host}:{port},cert={self.cert.cert},key={self.cert.key},cafile={self.cert.ca},"
+               f"commonname=node:{home},nodelay")
+        proc = subprocess.Popen(["socat", f"UNIX-LISTEN:{path},fork", tls], stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 10
+        while not path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"socat did not listen on {path}")
+            time.sleep(0.02)
+        return LineSocket(str(path))
+
+
 def _alternate(router: Any, hosts: dict[str, d.BenchDaemon], user: str, calls: int, *, router_pid: int,
-               over_tls: Callable[[str], LineSocket]) -> dict[str, Any]:
+               over_tls: Callable[[str], LineSocket], relay: RelayFloor) -> dict[str, Any]:
     template = daemon_call_line(user)
     via = LineSocket(str(router.socket))
     try:
         d._check_ok(d._call(via, template, 0)[1], "the first call through the router")  # claims the user a home
         status = via.request("sandbox/status")
         home = next(name for name, host in status["hosts"].items() if user in host["pool"]["users"])
-        direct, tls = hosts[home].connect(), over_tls(home)
+        direct, tls, floor = hosts[home].connect(), over_tls(home), relay.connect(home)
+        ways = {"direct": direct, "tls": tls, **({"relay": floor} if floor is not None else {})}
         try:
             chunk = max(1, calls // ROUNDS)
-            for conn in (via, direct, tls):
+            for conn in (via, *ways.values()):
                 d.sequential_calls(conn, template, 200, first_id=1)
-            routed: list[float] = []
-            straight: list[float] = []
-            listener: list[float] = []
+            latencies: dict[str, list[float]] = {name: [] for name in (*ways, "router")}
             cpu_s = 0.0
             for round_ in range(ROUNDS):
                 first = 1000 + round_ * chunk
-                straight += d.sequential_calls(direct, template, chunk, first_id=first)
-                listener += d.sequential_calls(tls, template, chunk, first_id=first)
+                for name, conn in ways.items():
+                    latencies[name] += d.sequential_calls(conn, template, chunk, first_id=first)
                 cpu0 = process_cpu(router_pid)
-                routed += d.sequential_calls(via, template, chunk, first_id=first)
+                latencies["router"] += d.sequential_calls(via, template, chunk, first_id=first)
                 cpu_s += process_cpu(router_pid) - cpu0
         finally:
-            direct.close()
-            tls.close()
+            for conn in ways.values():
+                conn.close()
     finally:
         via.close()
-    return {"direct": summarize(straight), "tls": summarize(listener), "router": summarize(routed),
-            "router_cpu_us_per_call": 1e6 * cpu_s / len(routed), "home": home}
+    return {**{name: summarize(seconds) for name, seconds in latencies.items()},
+            "router_cpu_us_per_call": 1e6 * cpu_s / len(latencies["router"]), "home": home}
 
 
 def cold_spread(router_socket: Path, users: list[str], *, homes: Callable[[], dict[str, str]]) -> dict[str, Any]:
