@@ -40,6 +40,10 @@ class Client:
             ) from None
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # a thread blocked reading this connection wakes (close alone does not)
+        except OSError:
+            pass  # never connected, or the daemon closed first
         self._sock.close()
 
     def __enter__(self) -> Client:
