@@ -11,14 +11,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from sandboxd.client import Client
 from tests.cluster.certs import Cert
 from tests.cluster.etcd import Etcd, free_port
-from tests.e2e.conftest import REPO, Daemon
+from tests.e2e.conftest import REPO, Daemon, wait_answering
 
 
 def host_config(node: str, etcd_url: str, cert: Cert, *, lease_s: int = 2, extra: str = "",
@@ -59,17 +58,8 @@ class Router:
                  "--socket", str(self.socket)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                 # Only what the test says: a SANDBOXD_* of the caller's would change the router's config.
                 env={key: value for key, value in os.environ.items() if not key.startswith("SANDBOXD_")})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with Client(self.socket, timeout=5) as client:
-                    client.request("ping")
-                return self
-            except Exception:
-                time.sleep(0.1)
-        raise AssertionError(f"router did not listen within {timeout} s:\n{self.log()}")
+        wait_answering(self.proc, self.socket, timeout, "router", self.log)
+        return self
 
     def client(self, timeout: float = 60) -> Client:
         return Client(self.socket, timeout=timeout)

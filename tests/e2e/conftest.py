@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -100,6 +100,22 @@ def _loopback_only_tools() -> None:
             pytest.fail(f"`{tool}` is missing: a loopback-only daemon needs it (scripts/ci-deps.sh installs {package})")
 
 
+def wait_answering(proc: subprocess.Popen[Any], socket_path: Path, timeout: float, what: str,
+                   log: Callable[[], str]) -> None:
+    """Until ``proc`` answers a ping on ``socket_path``; its exit or ``timeout`` fails with ``log()``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            with Client(socket_path, timeout=5) as client:
+                client.request("ping")
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise AssertionError(f"{what} did not listen within {timeout} s:\n{log()}")
+
+
 class Daemon:
     """``loopback_only``: the daemon runs in a network namespace of its own with nothing but a
     loopback device, so that an egress decision gone wrong fails to connect instead of sending
@@ -148,17 +164,8 @@ class Daemon:
         limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
                                      preexec_fn=limit)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with Client(self.socket, timeout=5) as client:
-                    client.request("ping")
-                return self
-            except Exception:
-                time.sleep(0.1)
-        raise AssertionError(f"daemon did not listen within {timeout} s:\n{self.log()}")
+        wait_answering(self.proc, self.socket, timeout, "daemon", self.log)
+        return self
 
     def network_namespace(self) -> str:
         """The daemon's network namespace (``net:[inode]``), to compare with the test's own."""
