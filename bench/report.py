@@ -389,7 +389,10 @@ def _router_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]
         mine, base, direct = r["router"].get(f"{q}_ms"), r["relay"].get(f"{q}_ms"), r["direct"].get(f"{q}_ms")
         out.append((f"… the router beside a relay floor (socat: bytes only, the same TLS hop), {q}", _ms(mine),
                     f"the relay {_ms(base)} ({_x(ratio(base, direct))} direct)", _x(ratio(mine, base)), "", "—"))
-    out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs", "", "", "", "—"))
+    relay_cpu = r.get("relay_cpu_us_per_call")
+    out.append(("… the router's CPU per call", f"{r['router_cpu_us_per_call']:.0f} µs",
+                f"the relay {relay_cpu:.0f} µs" if relay_cpu else "", _x(ratio(r["router_cpu_us_per_call"], relay_cpu))
+                if relay_cpu else "", "", "—"))
     spread = r.get("spread")
     if spread:
         calls, hosts = spread["calls"], ", ".join(f"{node} {n}" for node, n in spread["per_host"].items())

@@ -91,6 +91,7 @@ class RelayFloor:
     def __init__(self, folder: Path, addresses: dict[str, str], cert: Any) -> None:
         self.folder, self.addresses, self.cert = folder, addresses, cert
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.relay_pid = 0  # the child socat forked for the last connection: its CPU is the relay's
 
     def __enter__(self) -> RelayFloor:
         return self
@@ -117,7 +118,11 @@ class RelayFloor:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"socat did not listen on {path}")
             time.sleep(0.02)
-        return LineSocket(str(path))
+        conn = LineSocket(str(path))
+        conn.request("ping")  # the forked child is up once the host answered through it
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        self.relay_pid = int(children[0]) if children else 0
+        return conn
 
 
 def _alternate(router: Any, hosts: dict[str, d.BenchDaemon], user: str, calls: int, *, router_pid: int,
@@ -135,21 +140,24 @@ def _alternate(router: Any, hosts: dict[str, d.BenchDaemon], user: str, calls: i
             for conn in (via, *ways.values()):
                 d.sequential_calls(conn, template, 200, first_id=1)
             latencies: dict[str, list[float]] = {name: [] for name in (*ways, "router")}
-            cpu_s = 0.0
+            cpu_s = {"router": 0.0, "relay": 0.0}
+            pids = {"router": router_pid, "relay": relay.relay_pid}
             for round_ in range(ROUNDS):
                 first = 1000 + round_ * chunk
-                for name, conn in ways.items():
+                for name, conn in {**ways, "router": via}.items():
+                    cpu0 = process_cpu(pids[name]) if pids.get(name) else 0.0
                     latencies[name] += d.sequential_calls(conn, template, chunk, first_id=first)
-                cpu0 = process_cpu(router_pid)
-                latencies["router"] += d.sequential_calls(via, template, chunk, first_id=first)
-                cpu_s += process_cpu(router_pid) - cpu0
+                    if pids.get(name):
+                        cpu_s[name] += process_cpu(pids[name]) - cpu0
         finally:
             for conn in ways.values():
                 conn.close()
     finally:
         via.close()
     return {**{name: summarize(seconds) for name, seconds in latencies.items()},
-            "router_cpu_us_per_call": 1e6 * cpu_s / len(latencies["router"]), "home": home}
+            "router_cpu_us_per_call": 1e6 * cpu_s["router"] / len(latencies["router"]),
+            **({"relay_cpu_us_per_call": 1e6 * cpu_s["relay"] / len(latencies["relay"])} if floor is not None else {}),
+            "home": home}
 
 
 def cold_spread(router_socket: Path, users: list[str], *, homes: Callable[[], dict[str, str]]) -> dict[str, Any]:
