@@ -163,9 +163,8 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
             first = client.call_tool(NEWCOMER, "hello", {"name": "newcomer"}, timeoutMs=60_000)
         peak.stop()
         held_throughout = all(outcome.seconds is None for outcome in stalls)
-        background.wait(stalls, HOLD_S + 60)
     finally:
-        background.close()
+        background.close()  # the stallers' calls end with their connections: cancelled, their tunnels closed
 
     quiet_ms, loaded_ms = percentile(quiet, 0.5) * 1000, percentile(loaded, 0.5) * 1000
     # What the machine's scheduler added meanwhile (the yardstick's p50), as test_many_users allows for it.
@@ -173,8 +172,7 @@ def test_tunnels_stalled_both_ways_at_the_least_limit_leave_newcomers_and_bystan
     print(f"limit {limit}; tunnels allowed {tunnels}; peak {peak.fds} descriptors, {peak.pipes} pipe ends "
           f"({quiet_pipes} quiet); filled in {filled_s:.1f} s, then {stalled.cores:.3f} cores; RSS {quiet_rss_mib:.0f} -> "
           f"{rss_mib:.0f} MiB; {queued / (1 << 20):.0f} MiB queued to the upstream; bystander's warm call p50 "
-          f"{quiet_ms:.2f} -> {loaded_ms:.2f} ms (machine +{machine_ms:.2f} ms); "
-          f"stallers {[o.result['content'][0]['text'] if o.result else o.error for o in stalls][:2]}")
+          f"{quiet_ms:.2f} -> {loaded_ms:.2f} ms (machine +{machine_ms:.2f} ms)")
     log = daemon.log_path.read_text(errors="replace")
     for sign in ("EMFILE", "Errno 24", "Too many open files", "accept_failed"):
         assert sign not in log, f"{sign!r} in the daemon's log"
