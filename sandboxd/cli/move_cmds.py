@@ -1,4 +1,5 @@
-"""The operator's moves: `sandboxd users move USER --to NODE`, `sandboxd nodes drain NODE` and `nodes undrain NODE`.
+"""The operator's moves: `sandboxd users move USER --to NODE`, `users rehome USER --to NODE` (off a dead host),
+`sandboxd nodes drain NODE` and `nodes undrain NODE`.
 
 They read and write the directory in etcd and dial the hosts' cluster listeners with the
 certificate of the `cluster:` section of --config (an operator's, `node` left out). Results
@@ -38,6 +39,19 @@ def add_commands(node_commands: argparse._SubParsersAction, user_commands: argpa
                         "their host again")
     _flags(moving)
     moving.set_defaults(handler=move_command)
+
+    rehoming = user_commands.add_parser(
+        "rehome", parents=[parent], help="name NODE the home of USER, whose host is down, without their data",
+        description="For a user whose home host is dead (its lease expired; `users where` says down): name NODE "
+                    "their home in one transaction that holds only while the dead host has no lease, so it cannot "
+                    "serve them meanwhile. Their data stays on the dead host: restore a backup on NODE first with "
+                    "`sandboxd users import` (docs/scale.md, \"When a host fails\"), or they start empty. "
+                    "Exit status: 0 rehomed, 1 not (their host is up, NODE is not active, the record changed) or "
+                    "etcd unreachable, 2 usage.")
+    rehoming.add_argument("user", type=user_argument, metavar="USER", help="the user (an email address)")
+    rehoming.add_argument("--to", metavar="NODE", required=True, help="the active host to serve them from now")
+    rehoming.add_argument("--json", action="store_true", help="print {user, from, to, epoch}")
+    rehoming.set_defaults(handler=rehome_command)
 
     draining = node_commands.add_parser(
         "drain", parents=[parent], help="place no new users on NODE and move its users to the other hosts",
@@ -120,6 +134,23 @@ def move_command(args: argparse.Namespace, config: Config) -> int:
                 print(json.dumps({"user": args.user, "ok": False, "step": exc.step, "error": exc.message}))
             return fail(exc.message, EXIT_FAILURE)
         _say(args, {**moved.to_json(), "ok": True})
+        return EXIT_OK
+
+    return _run(config, work)
+
+
+def rehome_command(args: argparse.Namespace, config: Config) -> int:
+    from sandboxd.cluster.move import MoveFailed, rehome
+
+    async def work(directory: Any, _dial: Any) -> int:
+        try:
+            old, new = await rehome(directory, args.user, args.to)
+        except MoveFailed as exc:
+            return fail(exc.message, EXIT_FAILURE)
+        if args.json:
+            print(json.dumps({"user": args.user, "from": old.node, "to": new.node, "epoch": new.epoch}))
+        else:
+            print(f"{args.user} is served by {new.node} now (epoch {new.epoch}); their data stays on {old.node}")
         return EXIT_OK
 
     return _run(config, work)

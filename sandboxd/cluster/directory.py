@@ -236,6 +236,20 @@ class Directory:
         value, got = [r for r in responses if isinstance(r, list)][-1][0]
         return UserRecord.load(old.user, value, got.mod_revision)
 
+    async def rehome(self, old: UserRecord, to: str) -> UserRecord | None:
+        """Name ``to`` the home of a user whose host is down: only if the record is still at ``old``'s epoch and
+        the host it names holds no lease (no key) in the same transaction; None otherwise. That host fenced
+        itself before its lease expired, so it serves no call of the user while the record changes."""
+        key, host, tx = self.user_key(old.user), self.node_key(old.node), self._client.transactions
+        succeeded, responses = await self._bounded(self._client.transaction(
+            compare=[tx.mod(key) == old.epoch, tx.create(host) == 0],
+            success=[tx.put(key, UserRecord(old.user, to, 0, left=old.node).dump()), tx.get(key)], failure=[]),
+            f"the rehoming of {old.user}")
+        if not succeeded:
+            return None
+        value, got = [r for r in responses if isinstance(r, list)][-1][0]
+        return UserRecord.load(old.user, value, got.mod_revision)
+
     async def mark_moving(self, record: UserRecord, to: str) -> UserRecord | None:
         """A move begins: new calls are refused ``moving``; None if the record changed since it was read."""
         return await self.replace(record, UserRecord(record.user, record.node, 0, "moving", to))

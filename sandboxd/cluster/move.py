@@ -114,6 +114,29 @@ async def abort(directory: Directory, user: str) -> UserRecord:
     return back
 
 
+async def rehome(directory: Directory, user: str, to: str) -> tuple[UserRecord, UserRecord]:
+    """Point a user whose home host is down at host ``to``, without their data there (a move needs the source
+    up): (the record before, the record now). Refused while that host holds its lease: then it may serve."""
+    snapshot = await directory.snapshot()
+    record = snapshot.users.get(user)
+    if record is None:
+        raise MoveFailed(user, "rehome", "the user has no home yet.", "The first host asked claims them; nothing "
+                         "was changed.")
+    if record.node in snapshot.nodes:
+        raise MoveFailed(user, "rehome", f"their host {record.node} is up (its lease is alive).",
+                         f"Nothing was changed: move them with `sandboxd users move {user} --to {to}`.")
+    target = snapshot.nodes.get(to)
+    if target is None or target.state != "active":
+        state = "not registered" if target is None else target.state
+        raise MoveFailed(user, "rehome", f"host {to} is {state}.", "Nothing was changed: pick an active host "
+                         "(sandboxd nodes list).")
+    new = await directory.rehome(record, to)
+    if new is None:
+        raise MoveFailed(user, "rehome", f"the record changed meanwhile, or {record.node} registered again.",
+                         "Nothing was changed: run the command again.")
+    return record, new
+
+
 async def _call(dial: Dial, address: str, node: str, method: str, params: dict[str, Any]) -> Any:
     client = await dial(address, node)
     try:

@@ -50,23 +50,28 @@ class UserRecord:
     epoch: int  # the key's mod_revision: 0 for a record not yet written
     state: UserState = "active"
     to: str | None = None  # while moving: the host the user moves to
+    left: str | None = None  # rehomed off this dead host (`users rehome`): its copy is stale when it is back
 
     def dump(self) -> bytes:
         data: dict[str, Any] = {"node": self.node, "state": self.state}
         if self.to is not None:
             data["to"] = self.to
+        if self.left is not None:
+            data["left"] = self.left
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
     def load(cls, user: str, value: bytes, epoch: int) -> UserRecord:
         data = _object(value)
-        node, state, to = data.get("node"), data.get("state", "active"), data.get("to")
-        if not isinstance(node, str) or state not in ("active", "moving") or not (to is None or isinstance(to, str)):
+        node, state, to, left = data.get("node"), data.get("state", "active"), data.get("to"), data.get("left")
+        if (not isinstance(node, str) or state not in ("active", "moving") or not (to is None or isinstance(to, str))
+                or not (left is None or isinstance(left, str))):
             raise BadRecord(f"users/{user}: {value[:200]!r} is not a user record")
-        return cls(user, node, epoch, state, to)
+        return cls(user, node, epoch, state, to, left)
 
     def to_json(self) -> dict[str, Any]:
-        return {"user": self.user, "node": self.node, "epoch": self.epoch, "state": self.state, "to": self.to}
+        return {"user": self.user, "node": self.node, "epoch": self.epoch, "state": self.state, "to": self.to,
+                **({"left": self.left} if self.left is not None else {})}
 
 
 def _object(value: bytes) -> dict[str, Any]:

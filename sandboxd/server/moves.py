@@ -114,11 +114,15 @@ class Moves:
         return {"user": user, "epoch": epoch, "emailChanged": False}
 
     def user_changed(self, user: str, old: UserRecord | None, new: UserRecord | None) -> None:
-        """A record changed: a move out of here ended (its snapshot goes) and, flipped, the user's copy is set aside."""
+        """A record changed: a move out of here ended (its snapshot goes) and, flipped, the user's copy is set aside;
+        so is the stale copy of a user rehomed off this host while it was down."""
         handed = self._handed.get(user)
         if handed is not None and not _is_mark(new, self.me, handed.epoch):
             self._drop(user)
         if old is not None and old.node == self.me and new is not None and new.node != self.me:
+            asyncio.get_running_loop().create_task(self._set_aside(user, new.node))
+        elif old is None and new is not None and new.left == self.me and moved.has_copy(self._config(), user):
+            # First seen (at start-up) rehomed off this host while it was down (`users rehome`): the copy is stale.
             asyncio.get_running_loop().create_task(self._set_aside(user, new.node))
 
     async def _set_aside(self, user: str, node: str) -> None:

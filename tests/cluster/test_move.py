@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from tests.cluster.etcd import Etcd, free_port
 from tests.e2e.conftest import Daemon, write_tool
 from tests.e2e.hostile_harness import wait_until
 from tests.e2e.test_users_transfer import FILL, FILL_INPUTS, HARD, QUOTA_MIB, open_writer, qgroup_limit, tree
+from tests.e2e.test_users_transfer import cli as transfer_cli
 from tests.loopfs import MIB, loop_devices_usable, loop_filesystem
 
 pytestmark = pytest.mark.docker
@@ -319,3 +321,47 @@ def test_a_drained_host_moves_its_users_to_the_others_and_takes_no_new_one(clust
     assert refused.value.data["reason"] == "elsewhere" and refused.value.data["node"] in ("b", "c")
     assert cluster.cli("nodes", "undrain", "a").returncode == 0
     wait_until(lambda: _answers(a, "newcomer2@example.com"), 10, "a claims a new user once undrained")
+
+
+REHOMED = "rehomed@example.com"
+
+
+def test_a_dead_hosts_user_is_rehomed_with_a_backup_and_the_host_back_sets_its_copy_aside(
+        cluster: Cluster, tmp_path: Path) -> None:
+    config = "pool:\n  min_idle: 0\n"
+    a, b = cluster.host("a", config), cluster.host("b", config)
+    hello(a, REHOMED)
+    (a.data / REHOMED / "note.txt").write_text("written on a")
+    backup = tmp_path / "backup.tar.zst"
+    exported = transfer_cli("users", "export", REHOMED, "--out", str(backup), "--socket", str(a.socket))
+    assert exported.returncode == 0, exported.stderr
+
+    up = cluster.cli("users", "rehome", REHOMED, "--to", "b")  # a holds its lease: it may serve them
+    assert up.returncode == 1 and "is up" in up.stderr and "users move" in up.stderr, up.stderr
+    assert cluster.where(REHOMED)["node"] == "a"
+
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait()
+    wait_until(lambda: not cluster.where(REHOMED)["up"], 10, "a's lease to expire")
+    restored = transfer_cli("users", "import", str(backup), "--socket", str(b.socket))
+    assert restored.returncode == 0, restored.stderr
+    with pytest.raises(RpcError) as down:
+        hello(b, REHOMED)
+    assert down.value.data == {"reason": "node_down", "node": "a"}  # restored, not yet theirs
+
+    rehomed = cluster.cli("users", "rehome", REHOMED, "--to", "b", "--json")
+    assert rehomed.returncode == 0, rehomed.stderr
+    answer = json.loads(rehomed.stdout)
+    assert (answer["from"], answer["to"]) == ("a", "b") and answer["epoch"] == cluster.where(REHOMED)["epoch"]
+    wait_until(lambda: _answers(b, REHOMED), 10, "b serving the rehomed user")
+    assert (b.data / REHOMED / "note.txt").read_text() == "written on a"
+
+    # a back: it refuses them elsewhere, and its stale copy goes aside (not served, removed after keep_moved_s).
+    a.start()
+    with pytest.raises(RpcError) as elsewhere:
+        hello(a, REHOMED)
+    assert elsewhere.value.data["reason"] == "elsewhere" and elsewhere.value.data["node"] == "b"
+    wait_until(lambda: not (a.data / REHOMED).exists(), 10, "a's stale copy set aside")
+    assert [path.name.split("~")[0] for path in a.data.iterdir() if "~sandboxd-moved-" in path.name] == [REHOMED]
+

@@ -54,8 +54,11 @@ def test_a_fenced_host_refuses_every_call_first(record: UserRecord | None) -> No
 def test_records_round_trip_and_bad_values_are_refused() -> None:
     record = UserRecord(U, "a", 0, "moving", "b")
     assert UserRecord.load(U, record.dump(), 9) == UserRecord(U, "a", 9, "moving", "b")
+    rehomed = UserRecord(U, "b", 0, left="a")
+    assert UserRecord.load(U, rehomed.dump(), 4) == UserRecord(U, "b", 4, left="a")
+    assert rehomed.to_json()["left"] == "a" and "left" not in record.to_json()
     assert NodeRecord.load("a", NODES["a"].dump()) == NODES["a"]
-    for value in (b"[]", b"{", b'{"node": 3}', b'{"node": "a", "state": "gone"}'):
+    for value in (b"[]", b"{", b'{"node": 3}', b'{"node": "a", "state": "gone"}', b'{"node": "a", "left": 1}'):
         with pytest.raises(BadRecord):
             UserRecord.load(U, value, 1)
 
