@@ -28,6 +28,7 @@ async def ask_all(method: str, view: Directory, hosts: Hosts) -> tuple[dict[str,
         assert address is not None
         started = time.monotonic()
         answer = await hosts.get(node, address).call(method, None, timeout_s=FLEET_TIMEOUT_S)
+        assert isinstance(answer, dict), "asked without verbatim: parsed"
         return answer.get("result"), (time.monotonic() - started) * 1000
 
     results = await asyncio.gather(*(ask(host.name, host.address) for host in registered), return_exceptions=True)

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from sandboxd.errors import BackendUnavailable, SandboxdError
-from sandboxd.router.ids import OnProgress
+from sandboxd.router.ids import OnProgress, Verbatim
 from sandboxd.router.routing import Directory, decide, moving, refusal_of
 from sandboxd.router.upstream import Dial, Lost, Notify, Upstream, UpstreamConnection
 
@@ -93,16 +93,17 @@ class Sending:
     def __init__(self, method: str, params: Any, *, deadline_s: float, wait_s: float | None,
                  on_progress: OnProgress | None = None, client_token: Any = None,
                  rewrite: Callable[[Any, int], Any] | None = None, forward: Forward | None = None,
-                 to_watch: bool = False) -> None:
+                 to_watch: bool = False, verbatim: bool = False) -> None:
         self.method, self.params = method, params
         self.deadline = time.monotonic() + deadline_s  # how long a move is waited for
         self.wait_s = wait_s  # how long the host may take to answer, once sent
         self.on_progress, self.client_token, self.rewrite = on_progress, client_token, rewrite
         self.forward = forward or Forward()
         self.to_watch = to_watch  # on a connection that may watch one more user
+        self.verbatim = verbatim  # a success answer's result passed on unparsed (``Verbatim``)
 
 
-async def routed(user: str, sending: Sending, view: Directory, hosts: Hosts) -> dict[str, Any]:
+async def routed(user: str, sending: Sending, view: Directory, hosts: Hosts) -> dict[str, Any] | Verbatim:
     """The host's answer for ``user``'s request (a -32005 refusal the router could not get past included)."""
     elsewhere_tried = False
     while True:
@@ -119,19 +120,19 @@ async def routed(user: str, sending: Sending, view: Directory, hosts: Hosts) -> 
             continue
         assert decision.address is not None
         answer = await send(hosts.get(decision.node, decision.address), sending)
-        refusal = refusal_of(answer)
+        refusal = None if isinstance(answer, Verbatim) else refusal_of(answer)
         if refusal is not None and refusal[0] == "elsewhere" and not elsewhere_tried:
             elsewhere_tried = True  # the view is stale: once, at the host that says it holds the user
             node, address = refusal[1].get("node"), refusal[1].get("address")
             if isinstance(node, str) and isinstance(address, str):
                 answer = await send(hosts.get(node, address), sending)
-                refusal = refusal_of(answer)
+                refusal = None if isinstance(answer, Verbatim) else refusal_of(answer)
         if refusal is None or refusal[0] != "moving":
             return answer
         await wait_for_move(user, str(refusal[1].get("node") or decision.node), sending, view)
 
 
-async def send(upstream: Upstream, sending: Sending) -> dict[str, Any]:
+async def send(upstream: Upstream, sending: Sending) -> dict[str, Any] | Verbatim:
     forward = sending.forward
     if forward.reason is not None:
         raise NotSent(forward.reason)
@@ -139,7 +140,7 @@ async def send(upstream: Upstream, sending: Sending) -> dict[str, Any]:
         on = await upstream.connection(to_watch=True) if sending.to_watch else None
         return await upstream.call(sending.method, sending.params, on_progress=sending.on_progress,
                                    client_token=sending.client_token, rewrite=sending.rewrite, sent=forward.sent,
-                                   timeout_s=sending.wait_s, on=on)
+                                   timeout_s=sending.wait_s, on=on, verbatim=sending.verbatim)
     except asyncio.TimeoutError:
         raise HostSilent(f"host {upstream.node} did not answer within {sending.wait_s:g} s (the call's deadline and "
                          "its grace); the call was cancelled there. Check the host, then call again.") from None

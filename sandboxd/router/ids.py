@@ -17,6 +17,27 @@ from sandboxd.wire import PROGRESS, is_request_id, with_meta_progress_token, wit
 
 OnProgress = Callable[[dict[str, Any]], None]  # a notifications/progress's params, token already the client's
 
+_ANSWER_HEAD = b'{"jsonrpc":"2.0","id":'  # a host's answers as wire.response writes them: these keys, in this order
+_RESULT = b'"result":'
+
+
+class Verbatim(NamedTuple):
+    """A host's success answer, its result still the JSON the host wrote: the router passes it on unparsed."""
+
+    result: bytes
+
+
+def verbatim_answer(line: bytes) -> tuple[int, bytes] | None:
+    """(id, the result's JSON) of a host's success answer line, read without parsing the result; None for any
+    other line (an error, a notification), which is parsed whole."""
+    if not line.startswith(_ANSWER_HEAD) or not line.endswith(b"}"):
+        return None
+    comma = line.find(b",", len(_ANSWER_HEAD))
+    digits = line[len(_ANSWER_HEAD):comma]
+    if comma < 0 or not digits.isdigit() or not line.startswith(_RESULT, comma + 1):
+        return None
+    return int(digits), line[comma + 1 + len(_RESULT):-1]
+
 
 @dataclass
 class Slot:
@@ -24,6 +45,7 @@ class Slot:
 
     on_progress: OnProgress | None = None
     client_token: Any = None  # the client's progress token (its own, or its request id when it gave none)
+    verbatim: bool = False  # a success answer may settle it unparsed (``Verbatim``): the client gets the bytes
     waiter: Any = field(default=None, repr=False)  # what the caller awaits (a future): the I/O side's, never read here
     outcome: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -65,11 +87,19 @@ class UpstreamIds:
                 return self._progress(message)
             return Step("notify", None, message)
         upstream_id = message.get("id")
-        slot = self.slots.pop(upstream_id, None) if isinstance(upstream_id, int) else None
+        slot = self.answered(upstream_id) if isinstance(upstream_id, int) else None
         if slot is None:
             return Step("drop", None, message)  # an answer to a slot closed meanwhile (its caller left)
         slot.outcome = message
         return Step("answer", slot, message)
+
+    def answered(self, upstream_id: int) -> Slot | None:
+        """The slot an answer to ``upstream_id`` settles, taken out; None: closed meanwhile (its caller left)."""
+        return self.slots.pop(upstream_id, None)
+
+    def takes_verbatim(self, upstream_id: int) -> bool:
+        slot = self.slots.get(upstream_id)
+        return slot is not None and slot.verbatim
 
     def _progress(self, message: dict[str, Any]) -> Step:
         params = message.get("params")

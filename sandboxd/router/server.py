@@ -11,14 +11,16 @@ import asyncio
 import signal
 import socket
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
+
+import orjson
 
 from sandboxd.config import Config
 from sandboxd.errors import InvalidParams
 from sandboxd.logging import get_logger
 from sandboxd.router import fleet
 from sandboxd.router.forward import Answered, Forward, Hosts, NotSent, Sending, routed, send
-from sandboxd.router.ids import client_token, with_token
+from sandboxd.router.ids import Verbatim, client_token, with_token
 from sandboxd.cluster.rendezvous import weight
 from sandboxd.router.routing import Directory, no_host
 from sandboxd.router.upstream import Dial, HostUnreachable, UpstreamConnection, UpstreamLost
@@ -47,8 +49,11 @@ def _params(params: Any, method: str) -> dict[str, Any]:
     return params
 
 
-def _result(answer: dict[str, Any]) -> dict[str, Any]:
-    """A host's answer as the client's: its result, or its error raised to be passed on as it came."""
+def _result(answer: dict[str, Any] | Verbatim) -> dict[str, Any]:
+    """A host's answer as the client's: its result, or its error raised to be passed on as it came. A verbatim
+    result goes into the client's answer as the host wrote it (orjson writes a Fragment's bytes as they are)."""
+    if isinstance(answer, Verbatim):
+        return cast(dict[str, Any], orjson.Fragment(answer.result))
     error = answer.get("error")
     if isinstance(error, dict):
         raise Answered(error)
@@ -158,7 +163,7 @@ class Router:
         forward = Forward()
         sending = Sending("tools/call", params, deadline_s=deadline_s, wait_s=wait_s, forward=forward,
                           on_progress=lambda progress: self._progress(connection, progress),
-                          client_token=client_token(params, request_id), rewrite=_rewrite)
+                          client_token=client_token(params, request_id), rewrite=_rewrite, verbatim=True)
         return Later(self._forwarded(user, sending), forward)
 
     def _progress(self, connection: Connection, progress: dict[str, Any]) -> None:

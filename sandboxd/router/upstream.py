@@ -17,7 +17,7 @@ from sandboxd.client import DaemonUnreachable
 from sandboxd.errors import BackendUnavailable
 from sandboxd.lines import LineBuffer
 from sandboxd.logging import get_logger, source
-from sandboxd.router.ids import OnProgress, Slot, UpstreamIds
+from sandboxd.router.ids import OnProgress, Slot, UpstreamIds, Verbatim, verbatim_answer
 from sandboxd.wire import cancelled, encode, request
 
 log = get_logger("sandboxd.router")
@@ -87,6 +87,12 @@ class UpstreamConnection(asyncio.Protocol):
     def _received(self, data: bytes) -> None:
         for line in self._lines.feed(data):
             if not isinstance(line, bytes):
+                continue
+            passed = verbatim_answer(line)
+            if passed is not None and self.ids.takes_verbatim(passed[0]):
+                slot = self.ids.answered(passed[0])
+                if slot is not None and not slot.waiter.done():
+                    slot.waiter.set_result(Verbatim(passed[1]))
                 continue
             try:
                 message = strictjson.loads_line(line)
@@ -182,14 +188,16 @@ class Upstream:
     async def call(self, method: str, params: Any, *, on_progress: OnProgress | None = None,
                    client_token: Any = None, rewrite: Callable[[Any, int], Any] | None = None,
                    sent: Callable[[UpstreamConnection, int], None] | None = None,
-                   timeout_s: float | None = None, on: UpstreamConnection | None = None) -> dict[str, Any]:
-        """Send one request and wait for its answer (the host's message, ids still the router's).
+                   timeout_s: float | None = None, on: UpstreamConnection | None = None,
+                   verbatim: bool = False) -> dict[str, Any] | Verbatim:
+        """Send one request and wait for its answer (the host's message, ids still the router's; ``verbatim``:
+        a success answer comes as ``Verbatim``, its result unparsed).
 
         ``sent(conn, id)`` is told where it went, for a cancel to follow it. A caller that leaves
         (cancelled, or past ``timeout_s``) has the request cancelled on the host and its slot freed. ``on``: the
         connection to use (the pool's choice otherwise)."""
         conn = on or await self.connection()
-        slot = Slot(on_progress, client_token, waiter=asyncio.get_running_loop().create_future())
+        slot = Slot(on_progress, client_token, verbatim, waiter=asyncio.get_running_loop().create_future())
         upstream_id = conn.send(method, params, slot, rewrite)
         if sent is not None:
             sent(conn, upstream_id)

@@ -13,7 +13,8 @@ import pytest
 from sandboxd.cluster.records import NodeRecord, UserRecord
 from sandboxd.errors import NotServedHere
 from sandboxd.router.forward import Forward, Hosts, NotSent, Sending, routed
-from sandboxd.router.server import _rewrite
+from sandboxd.router.ids import Verbatim, verbatim_answer
+from sandboxd.router.server import _result, _rewrite
 from sandboxd.router.upstream import UpstreamLost, unix_dial
 from sandboxd.wire import PROGRESS, encode, error_object, error_response, notification, request, response
 from tests.unit.router_view import View
@@ -345,3 +346,36 @@ def test_a_client_that_reads_nothing_while_progress_floods_is_disconnected_and_i
             await router.close()
 
     run(short_dir, {"a": flood}, scenario)
+
+
+def test_a_verbatim_call_gets_the_hosts_result_bytes_and_refusals_are_still_read(short_dir: Path) -> None:
+    result = {"status": "ok", "content": [{"type": "text", "text": "héllo \u2028 " + "x" * 70_000}], "n": 1.5}
+
+    async def big(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if "id" in message:
+            writer.write(encode(response(message["id"], result)))
+
+    async def scenario(view: View, hosts: dict[str, FakeHost], upstreams: Hosts) -> None:
+        view.users[USER] = UserRecord(USER, "a", 1)  # stale: b holds the user, and answers unparsed
+        hosts["a"].script = refusing("elsewhere", node="b", address=str(hosts["b"].path))
+        answer = await routed(USER, call(verbatim=True), view, upstreams)
+        assert isinstance(answer, Verbatim) and json.loads(answer.result) == result
+        assert (len(hosts["a"].calls()), len(hosts["b"].calls())) == (1, 1)
+        # The client's answer carries the bytes under its own id (server/rpc.py's encoding, unchanged).
+        line = encode(response("client-7", _result(answer)))
+        assert json.loads(line) == {"jsonrpc": "2.0", "id": "client-7", "result": result}
+
+    run(short_dir, {"a": ok, "b": big}, scenario)
+
+
+@pytest.mark.parametrize("line, read", [
+    (b'{"jsonrpc":"2.0","id":12,"result":{"a":[1,"}"]}}', (12, b'{"a":[1,"}"]}')),
+    (b'{"jsonrpc":"2.0","id":12,"error":{"code":-32005,"message":"m"}}', None),  # refusals are parsed
+    (b'{"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":3}}', None),
+    (b'{"jsonrpc":"2.0","id":"12","result":{}}', None),  # not an id the router gave
+    (b'{"jsonrpc":"2.0","id":-1,"result":{}}', None),
+    (b'{"jsonrpc":"2.0","id":12,"result":{}} ', None),
+    (b'{"jsonrpc": "2.0", "id": 12, "result": {}}', None),  # another writer's spacing: parsed whole
+])
+def test_only_a_success_answer_as_the_host_writes_it_is_read_verbatim(line: bytes, read: Any) -> None:
+    assert verbatim_answer(line) == read
