@@ -153,6 +153,7 @@ def test_swarm_host_cut_off_is_fenced_within_lease_then_serves_again(stack: Stac
     user = users_of(stack, third)[0]
     for each in USERS:  # every user served at home before the cut: the overlap check below has lines for all
         assert stack.hello(stack.host(stack.where(each)), each)
+    before = {row.split()[0] for row in stack.containers(third, "sandboxd")}
     cut = time.monotonic()
     stack.swarm.cut_off(third)
     try:
@@ -166,9 +167,28 @@ def test_swarm_host_cut_off_is_fenced_within_lease_then_serves_again(stack: Stac
     healed = time.monotonic()
     wait_until(lambda: _served(stack, third, user), 60, f"{third.name} to serve {user} again after the heal", interval=0.5)
     served_again_s = time.monotonic() - healed
+    # Swarm replaces a rejoining host's task (docs/scale.md): the next test needs the new daemon up, alone.
+    replaced = _replacement_up(stack, third, before)
+    wait_until(lambda: _served(stack, third, user), 60, f"{third.name}'s new task to serve {user}", interval=0.5)
     _no_user_on_two_hosts_at_once(stack)
     print(f"\nswarm: {third.name} cut off: fenced after {fenced_s:.1f} s (lease_s {LEASE_S}), serving again "
-          f"{served_again_s:.1f} s after the heal; its sandboxd task containers: {stack.containers(third, 'sandboxd')}")
+          f"{served_again_s:.1f} s after the heal; its task replaced: {replaced}")
+
+
+def _replacement_up(stack: Stack, host: Host, before: set[str]) -> bool:
+    """Wait (up to 60 s) for a sandboxd task container not in ``before`` to be the host's only one up, healthy;
+    False when Swarm started none within 20 s (the old task serves on)."""
+    deadline, started_by = time.monotonic() + 60, time.monotonic() + 20
+    while time.monotonic() < deadline:
+        rows = stack.containers(host, "sandboxd")
+        new = [row for row in rows if row.split()[0] not in before]
+        up = [row for row in rows if " Up " in f" {row} "]
+        if new and len(up) == 1 and up[0] in new and "(healthy)" in up[0]:
+            return True
+        if not new and time.monotonic() > started_by:
+            return False
+        time.sleep(0.5)
+    raise AssertionError(f"{host.name}'s new sandboxd task was not the only one up and healthy within 60 s: {rows}")
 
 
 def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack: Stack) -> None:
@@ -180,7 +200,7 @@ def test_swarm_killed_engine_makes_its_users_node_down_and_others_carry_on(stack
     _etcd_leader_off(stack, third)  # a new etcd leader renews every lease in full: host 3's would outlive lease_s
     homes = {user: stack.where(user) for user in USERS + ROUTED}
     others = [user for user, home_name in homes.items() if home_name != third.name]
-    assert stack.hello(third, victim)
+    wait_until(lambda: _served(stack, third, victim), 60, f"{third.name} serving {victim}", interval=0.5)
     quiet_until = time.monotonic() + QUIET_S
     quiet = _timed_calls(stack, others, lambda: time.monotonic() >= quiet_until)
     window = threading.Event()
