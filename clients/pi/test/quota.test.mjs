@@ -46,7 +46,9 @@ test("over quota, the agent reads what happened, the biggest entries and what it
   const cache = join(daemon.userDir(), "cache");
   mkdirSync(cache, { recursive: true });
   writeFileSync(join(cache, "big.bin"), randomBytes(3 << 20)); // random: a compressing filesystem keeps all of it
-  await waitFor(() => echo().then(() => false, (error) => error instanceof QuotaExceededError), "a refusal over quota");
+  // A walk can meet the file half written: wait for the refusal that counts all of it.
+  await waitFor(() => echo().then(() => false, (error) => error instanceof QuotaExceededError && error.data?.bytes >= 3 << 20),
+    "a refusal over quota that counts the whole file");
 
   const pi = await piSession({ extensionFactories: [createSandboxdExtension({ user: USER, socketPath: daemon.socket })] });
   try {
