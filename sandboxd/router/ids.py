@@ -87,19 +87,17 @@ class UpstreamIds:
                 return self._progress(message)
             return Step("notify", None, message)
         upstream_id = message.get("id")
-        slot = self.answered(upstream_id) if isinstance(upstream_id, int) else None
+        slot = self.slots.pop(upstream_id, None) if isinstance(upstream_id, int) else None
         if slot is None:
             return Step("drop", None, message)  # an answer to a slot closed meanwhile (its caller left)
         slot.outcome = message
         return Step("answer", slot, message)
 
-    def answered(self, upstream_id: int) -> Slot | None:
-        """The slot an answer to ``upstream_id`` settles, taken out; None: closed meanwhile (its caller left)."""
-        return self.slots.pop(upstream_id, None)
-
-    def takes_verbatim(self, upstream_id: int) -> bool:
+    def take_verbatim(self, upstream_id: int) -> Slot | None:
+        """The slot an unparsed answer to ``upstream_id`` settles, taken out; None when it asked for a parsed one
+        (or was closed meanwhile): the answer is then read whole."""
         slot = self.slots.get(upstream_id)
-        return slot is not None and slot.verbatim
+        return self.slots.pop(upstream_id) if slot is not None and slot.verbatim else None
 
     def _progress(self, message: dict[str, Any]) -> Step:
         params = message.get("params")

@@ -89,9 +89,9 @@ class UpstreamConnection(asyncio.Protocol):
             if not isinstance(line, bytes):
                 continue
             passed = verbatim_answer(line)
-            if passed is not None and self.ids.takes_verbatim(passed[0]):
-                slot = self.ids.answered(passed[0])
-                if slot is not None and not slot.waiter.done():
+            slot = None if passed is None else self.ids.take_verbatim(passed[0])
+            if passed is not None and slot is not None:
+                if not slot.waiter.done():
                     slot.waiter.set_result(Verbatim(passed[1]))
                 continue
             try:

@@ -121,8 +121,8 @@ class Moves:
             self._drop(user)
         if old is not None and old.node == self.me and new is not None and new.node != self.me:
             asyncio.get_running_loop().create_task(self._set_aside(user, new.node))
-        elif old is None and new is not None and new.left == self.me and moved.has_copy(self._config(), user):
-            # First seen (at start-up) rehomed off this host while it was down (`users rehome`): the copy is stale.
+        elif old is None and new is not None and new.left == self.me:
+            # First seen (at start-up) rehomed off this host while it was down (`users rehome`): a copy is stale.
             asyncio.get_running_loop().create_task(self._set_aside(user, new.node))
 
     async def _set_aside(self, user: str, node: str) -> None:
@@ -131,7 +131,8 @@ class Moves:
         except OSError as exc:
             log.error("moved_set_aside_failed", user=user, error=str(exc))
             return
-        log.info("moved_set_aside", user=user, to=node, paths=[str(path) for path in paths])
+        if paths:  # a rehomed user's host may hold no copy (it lost its disk)
+            log.info("moved_set_aside", user=user, to=node, paths=[str(path) for path in paths])
 
     def _drop(self, user: str) -> None:
         handed = self._handed.pop(user, None)

@@ -39,11 +39,6 @@ def set_aside(config: Config, user: str, now: float | None = None) -> list[Path]
     return moved
 
 
-def has_copy(config: Config, user: str) -> bool:
-    """Whether this host holds a folder of ``user`` (a stat per area: cheap enough for the loop)."""
-    return any(os.path.lexists(area.folder(config, user)) for area in areas(config))
-
-
 def _make_read_only(folder: Path) -> None:
     """A subvolume read-only for everyone (root); else the folder's own write bits taken away."""
     fd = os.open(folder, _DIR)
